@@ -1,0 +1,7 @@
+"""dcp_compile: decode context parallelism for MLA models, as torch.compile graph passes."""
+
+from dcp_compile import ops  # registers the dcp:: ops
+from dcp_compile.api import DCPState, apply, state
+from dcp_compile.config import DCPConfig
+
+__all__ = ["DCPConfig", "DCPState", "apply", "ops", "state"]

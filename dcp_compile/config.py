@@ -1,0 +1,47 @@
+"""User-facing configuration. Frozen, so its hash can key compile caches."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+INNER_COMPILERS = ("eager", "inductor")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class DCPConfig:
+    dcp_size: int = 1
+    """N: ranks the latent KV cache is sharded over by tokens. Must divide the TP size."""
+
+    interleave: int = 1
+    """I: consecutive logical locations owned by one rank (1 = token-interleaved)."""
+
+    inner_compile: str = "eager"
+    """Compiler run on the rewritten graph: 'eager' (run the FX graph) or 'inductor'."""
+
+    kernels: str = "auto"
+    """'torch' reference kernels, 'triton' kernels, or 'auto' (triton on CUDA, torch elsewhere)."""
+
+    debug_checks: bool = False
+    """Validate write locations against the pool before every KV write (costs a host sync)."""
+
+    disabled_passes: tuple[str, ...] = ()
+    """Pass names the pass manager skips, for debugging."""
+
+    dump_dir: str | None = None
+    """Folder for per-pass graph dumps; also set by the DCP_COMPILE_DUMP environment variable."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dcp_size, int) or self.dcp_size < 1:
+            raise ValueError(f"dcp_size must be an integer >= 1, got {self.dcp_size!r}")
+        if not isinstance(self.interleave, int) or self.interleave < 1:
+            raise ValueError(f"interleave must be an integer >= 1, got {self.interleave!r}")
+        if self.inner_compile not in INNER_COMPILERS:
+            raise ValueError(f"inner_compile must be one of {INNER_COMPILERS}, got {self.inner_compile!r}")
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ValueError(f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
+        object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
+
+    def replace(self, **changes) -> "DCPConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,137 @@
+"""Torch reference kernels: the semantics every other lowering is tested against.
+
+Written for clarity, not speed. They run on any device torch runs on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dcp_compile.runtime import layout
+
+
+def check_write_locations(loc: torch.Tensor, num_rows: int, dcp_size: int, interleave: int) -> None:
+    """Raise if any location falls outside a pool of `num_rows` rows per rank."""
+    if loc.numel() == 0:
+        return
+    capacity = layout.logical_capacity(num_rows, dcp_size, interleave)
+    bad = (loc < 0) | (loc >= capacity)
+    if bool(bad.any()):
+        first = int(loc[bad][0])
+        raise IndexError(
+            f"KV write location {first} is outside the pool: valid locations are 1..{capacity - 1} "
+            f"({num_rows} rows per rank x dcp_size {dcp_size}); location 0 is reserved for padding"
+        )
+
+
+def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, interleave: int = 1) -> None:
+    """Write [latent | rope] for each token whose location this rank owns; skip location 0."""
+    keep = (loc != layout.PADDING_LOC) & (layout.owner(loc, dcp_size, interleave) == dcp_rank)
+    rows = layout.local_row(loc[keep], dcp_size, interleave)
+    kv_cache[rows] = torch.cat([latent[keep], rope[keep]], dim=-1).to(kv_cache.dtype)
+
+
+def local_metadata(req_to_token, seq_lens, dcp_rank: int, dcp_size: int, interleave: int):
+    """A rank's local view of each request: local rows and global positions, in position order.
+
+    Returns (local_req_to_token [B, L], local_seq_lens [B], local_positions [B, L]); entries past
+    local_seq_lens[b] are 0 and never read. L stays the global width so shapes are static.
+    """
+    batch, width = req_to_token.shape
+    positions = torch.arange(width, device=req_to_token.device)
+    valid = positions[None, :] < seq_lens[:, None].to(positions.dtype)
+    owned = valid & (layout.owner(req_to_token, dcp_size, interleave) == dcp_rank)
+    local_seq_lens = owned.sum(dim=1).to(seq_lens.dtype)
+    # A stable sort on "not owned" moves owned entries to the front and keeps their order.
+    order = torch.sort((~owned).to(torch.int8), dim=1, stable=True).indices
+    kept = torch.gather(owned, 1, order)
+    local_rows = layout.local_row(torch.gather(req_to_token, 1, order), dcp_size, interleave)
+    local_req_to_token = torch.where(kept, local_rows, 0).to(req_to_token.dtype)
+    local_positions = torch.where(kept, order, 0).to(req_to_token.dtype)
+    return local_req_to_token, local_seq_lens, local_positions
+
+
+def partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, sm_scale: float):
+    """Causal MLA attention of each query over its request's rows of `kv_cache`.
+
+    A query at global position p sees keys whose global position is <= p. Returns
+    out [T, H, R] in q's dtype and lse [T, H] in fp32 (natural log). A query that sees no key
+    gets out = 0 and lse = -inf.
+    """
+    tokens, heads, rank_dim = q_latent.shape
+    out = torch.zeros(tokens, heads, rank_dim, dtype=torch.float32, device=q_latent.device)
+    lse = torch.full((tokens, heads), float("-inf"), dtype=torch.float32, device=q_latent.device)
+    if tokens == 0:
+        return out.to(q_latent.dtype), lse
+    for b in torch.unique(q_seq_ids).tolist():
+        length = int(seq_lens[b])
+        if length == 0:
+            continue
+        rows = kv_cache[page_table[b, :length].long()].float()
+        k_latent, k_rope = rows[:, :rank_dim], rows[:, rank_dim:]
+        idx = (q_seq_ids == b).nonzero().squeeze(1)
+        scores = torch.einsum("thr,lr->thl", q_latent[idx].float(), k_latent)
+        scores += torch.einsum("thp,lp->thl", q_rope[idx].float(), k_rope)
+        scores *= sm_scale
+        visible = key_positions[b, :length][None, :] <= q_positions[idx][:, None]
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
+        out[idx] = torch.einsum("thl,lr->thr", probs, k_latent)
+        lse[idx] = row_lse
+    return out.to(q_latent.dtype), lse
+
+
+def global_positions(req_to_token):
+    """Key positions for a global (unsharded) page table: column index."""
+    batch, width = req_to_token.shape
+    return torch.arange(width, device=req_to_token.device).expand(batch, width)
+
+
+def lse_words(dtype: torch.dtype) -> int:
+    """How many elements of `dtype` hold one fp32 LSE in a packed buffer."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if 4 % size:
+        raise TypeError(f"cannot pack an fp32 LSE into {dtype}")
+    return 4 // size
+
+
+def pack_partials(out, lse, dcp_size: int):
+    """[T, N*H, R] out + [T, N*H] lse -> one [N, T, H, R + w] buffer, slice j for DCP peer j.
+
+    Heads are gathered in peer order, so peer j owns heads [j*H, (j+1)*H). The fp32 LSE is stored
+    bit-for-bit in the trailing w = 4 / itemsize elements. Empty-shard rows get out = 0.
+    """
+    tokens, all_heads, rank_dim = out.shape
+    heads = all_heads // dcp_size
+    out = torch.where(torch.isinf(lse)[..., None], 0, out)
+    out = out.view(tokens, dcp_size, heads, rank_dim).transpose(0, 1)
+    lse_bits = lse.float().view(tokens, dcp_size, heads, 1).transpose(0, 1).contiguous().view(out.dtype)
+    return torch.cat([out, lse_bits], dim=-1).contiguous()
+
+
+def unpack_partials(packed, kv_lora_rank: int):
+    out = packed[..., :kv_lora_rank]
+    lse = packed[..., kv_lora_rank:].contiguous().view(torch.float32).squeeze(-1)
+    return out, lse
+
+
+def merge_lse(outs, lses):
+    """LSE-weighted merge over the leading (shard) axis. Returns (out, lse).
+
+    The shift m treats -inf as 0, a zero weight contributes nothing (so a NaN in an empty
+    shard's output cannot leak) and a row whose every shard is empty gives out = 0.
+    """
+    lses = lses.float()
+    shift = lses.max(dim=0).values
+    shift = torch.where(torch.isinf(shift), 0.0, shift)
+    weights = torch.exp(lses - shift)
+    terms = torch.where(weights[..., None] > 0, weights[..., None] * outs.float(), 0.0)
+    total = weights.sum(dim=0)
+    merged = torch.where(total[..., None] > 0, terms.sum(dim=0) / total[..., None].clamp_min(1e-30), 0.0)
+    return merged.to(outs.dtype), shift + torch.log(total)
+
+
+def merge_partials(packed, kv_lora_rank: int):
+    outs, lses = unpack_partials(packed, kv_lora_rank)
+    return merge_lse(outs, lses)[0]

@@ -1,0 +1,85 @@
+"""Model shapes: a tiny test model and the real shapes of DeepSeek-V3, Kimi-K2 and Kimi-Linear.
+
+The real presets follow the public configs; their MoE blocks are replaced by a dense MLP of the
+dense layers' width, since DCP touches attention only. Weights are random.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MLAModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    """'mla' or 'linear' (a Kimi-Linear style recurrent layer that DCP leaves alone), per layer."""
+    linear_head_dim: int = 16
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def num_mla_layers(self) -> int:
+        return sum(t == "mla" for t in self.layer_types)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def with_layers(self, num_layers: int) -> "MLAModelConfig":
+        """The same shapes with `num_layers` layers, keeping the preset's layer pattern."""
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        pattern = self.layer_types
+        return dataclasses.replace(self, layer_types=tuple(pattern[i % len(pattern)] for i in range(num_layers)))
+
+    def replace(self, **changes) -> "MLAModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _kimi_linear_pattern(num_layers: int) -> tuple[str, ...]:
+    # Three KDA layers, then one MLA layer.
+    return tuple("mla" if i % 4 == 3 else "linear" for i in range(num_layers))
+
+
+PRESETS: dict[str, MLAModelConfig] = {
+    "tiny": MLAModelConfig(
+        vocab_size=256, hidden_size=64, num_heads=8, q_lora_rank=48, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
+        layer_types=("mla", "linear", "mla", "mla"), linear_head_dim=8,
+    ),
+    "deepseek-v3": MLAModelConfig(
+        vocab_size=129280, hidden_size=7168, num_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=18432,
+        layer_types=("mla",) * 61,
+    ),
+    "kimi-k2": MLAModelConfig(
+        vocab_size=163840, hidden_size=7168, num_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=18432,
+        layer_types=("mla",) * 61,
+    ),
+    "kimi-linear": MLAModelConfig(
+        vocab_size=163840, hidden_size=2304, num_heads=32, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=9216,
+        layer_types=_kimi_linear_pattern(27), linear_head_dim=128,
+    ),
+}
+
+
+def preset(name: str) -> MLAModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,28 @@
+"""A Kimi-Linear style recurrent (linear-attention) layer op. DCP never rewrites it.
+
+State S[slot] is [H, d, d] per request slot; slot 0 absorbs padded rows. Per token, in order:
+S = decay * S + k^T v; o = q S. Its state is replicated on every DCP rank, like the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+
+@custom_op("dcp_models::linear_attention", mutates_args=("state",))
+def linear_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+    q_seq_ids: torch.Tensor, state_slots: torch.Tensor, decay: float,
+) -> torch.Tensor:
+    out = torch.empty_like(v)
+    slots = state_slots[q_seq_ids].tolist()
+    for t, slot in enumerate(slots):
+        state[slot] = decay * state[slot] + k[t, :, :, None].float() * v[t, :, None, :].float()
+        out[t] = torch.einsum("hd,hde->he", q[t].float(), state[slot]).to(v.dtype)
+    return out
+
+
+@linear_attention.register_fake
+def _(q, k, v, state, q_seq_ids, state_slots, decay):
+    return torch.empty_like(v)

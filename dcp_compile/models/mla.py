@@ -1,0 +1,201 @@
+"""Reference DeepSeek-V3 / Kimi style decoder whose MLA attention uses the canonical ops.
+
+TP: q/kv_b are column-parallel over heads, o_proj is row-parallel with an all-reduce, and the
+MLP is column/row parallel. kv_a (the latent) is replicated. Weights are generated from the seed
+for the full model and sliced per TP rank, so every TP/DCP layout computes the same function.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dcp_compile import ops
+from dcp_compile.models.config import MLAModelConfig
+from dcp_compile.models.linear_attention import linear_attention
+from dcp_compile.runtime.kv_pool import MLAKVPool, check_cache_dtype
+from dcp_compile.runtime.parallel import ParallelState
+
+
+def _all_reduce(x: torch.Tensor, group_name: str | None) -> torch.Tensor:
+    if group_name is None:
+        return x
+    reduced = torch.ops._c10d_functional.all_reduce(x, "sum", group_name)
+    return torch.ops._c10d_functional.wait_tensor(reduced)
+
+
+class WeightFactory:
+    """Deterministic full-size weights, sliced for one TP rank."""
+
+    def __init__(self, seed: int, device, dtype):
+        self.seed, self.device, self.dtype = seed, device, dtype
+
+    def make(self, name: str, shape, fan_in: int, shard_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1):
+        gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = torch.randn(*shape, generator=gen) / math.sqrt(fan_in)
+        if shard_dim is not None:
+            full = full.chunk(tp_size, dim=shard_dim)[tp_rank]
+        return nn.Parameter(full.to(device=self.device, dtype=self.dtype).contiguous(), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x):
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half rope on the last dim of x [T, ..., P] at `positions` [T]."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = angles.cos().view(shape), angles.sin().view(shape)
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: MLAModelConfig, prefix: str, mla_index: int, pool: MLAKVPool,
+                 par: ParallelState, weights: WeightFactory):
+        super().__init__()
+        if cfg.num_heads % par.tp_size:
+            raise ValueError(f"{cfg.num_heads} heads do not split over tp_size {par.tp_size}")
+        self.cfg, self.mla_index, self.pool = cfg, mla_index, pool
+        self.heads = cfg.num_heads // par.tp_size
+        self.tp_group_name = par.tp_group_name
+        self.sm_scale = cfg.qk_head_dim ** -0.5
+        tp = dict(tp_rank=par.tp_rank, tp_size=par.tp_size)
+        H, D, R, P = cfg.num_heads, cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            self.q_a = weights.make(f"{prefix}.q_a", (cfg.q_lora_rank, cfg.hidden_size), cfg.hidden_size)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, weights.device, weights.dtype)
+            self.q_b = weights.make(f"{prefix}.q_b", (H * D, cfg.q_lora_rank), cfg.q_lora_rank, 0, **tp)
+        else:
+            self.q_proj = weights.make(f"{prefix}.q_proj", (H * D, cfg.hidden_size), cfg.hidden_size, 0, **tp)
+        self.kv_a = weights.make(f"{prefix}.kv_a", (R + P, cfg.hidden_size), cfg.hidden_size)
+        self.kv_a_norm = RMSNorm(R, cfg.rms_norm_eps, weights.device, weights.dtype)
+        self.w_uk = weights.make(f"{prefix}.w_uk", (H, cfg.qk_nope_head_dim, R), cfg.qk_nope_head_dim, 0, **tp)
+        self.w_uv = weights.make(f"{prefix}.w_uv", (H, R, cfg.v_head_dim), R, 0, **tp)
+        self.o_proj = weights.make(f"{prefix}.o_proj", (cfg.hidden_size, H * cfg.v_head_dim), H * cfg.v_head_dim, 1, **tp)
+
+    def forward(self, x, positions, q_seq_ids, out_loc, req_to_token, seq_lens):
+        cfg, T = self.cfg, x.shape[0]
+        if cfg.q_lora_rank:
+            q = F.linear(self.q_a_norm(F.linear(x, self.q_a)), self.q_b)
+        else:
+            q = F.linear(x, self.q_proj)
+        q = q.view(T, self.heads, cfg.qk_head_dim)
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_rope = apply_rope(q_rope, positions, cfg.rope_theta)
+        kv = F.linear(x, self.kv_a)
+        latent = self.kv_a_norm(kv[:, : cfg.kv_lora_rank])
+        k_rope = apply_rope(kv[:, cfg.kv_lora_rank :], positions, cfg.rope_theta)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)
+
+        cache = self.pool.cache(self.mla_index)
+        ops.mla_kv_write(cache, latent, k_rope, out_loc)
+        o_latent = ops.mla_attention(q_latent, q_rope.contiguous(), cache, req_to_token, seq_lens, q_seq_ids, positions, self.sm_scale)
+
+        o = torch.einsum("thr,hrv->thv", o_latent, self.w_uv).reshape(T, -1)
+        return _all_reduce(F.linear(o, self.o_proj), self.tp_group_name)
+
+
+class LinearAttentionLayer(nn.Module):
+    def __init__(self, cfg: MLAModelConfig, prefix: str, max_requests: int, par: ParallelState, weights: WeightFactory):
+        super().__init__()
+        self.heads_total = cfg.hidden_size // cfg.linear_head_dim
+        if self.heads_total % par.tp_size:
+            raise ValueError(f"{self.heads_total} linear-attention heads do not split over tp_size {par.tp_size}")
+        self.heads, self.head_dim = self.heads_total // par.tp_size, cfg.linear_head_dim
+        self.tp_group_name = par.tp_group_name
+        tp = dict(tp_rank=par.tp_rank, tp_size=par.tp_size)
+        width = self.heads_total * self.head_dim
+        self.qkv = nn.ParameterList(
+            weights.make(f"{prefix}.{n}", (width, cfg.hidden_size), cfg.hidden_size, 0, **tp) for n in "qkv"
+        )
+        self.o_proj = weights.make(f"{prefix}.o_proj", (cfg.hidden_size, width), width, 1, **tp)
+        self.register_buffer(
+            "state", torch.zeros(max_requests + 1, self.heads, self.head_dim, self.head_dim, device=weights.device), persistent=False
+        )
+
+    def forward(self, x, q_seq_ids, state_slots):
+        q, k, v = (F.linear(x, w).view(x.shape[0], self.heads, self.head_dim) for w in self.qkv)
+        o = linear_attention(q, F.normalize(k, dim=-1), v, self.state, q_seq_ids, state_slots, 0.9)
+        return _all_reduce(F.linear(o.reshape(x.shape[0], -1), self.o_proj), self.tp_group_name)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: MLAModelConfig, prefix: str, par: ParallelState, weights: WeightFactory):
+        super().__init__()
+        if cfg.intermediate_size % par.tp_size:
+            raise ValueError(f"intermediate_size {cfg.intermediate_size} does not split over tp_size {par.tp_size}")
+        tp = dict(tp_rank=par.tp_rank, tp_size=par.tp_size)
+        I, Hd = cfg.intermediate_size, cfg.hidden_size
+        self.gate = weights.make(f"{prefix}.gate", (I, Hd), Hd, 0, **tp)
+        self.up = weights.make(f"{prefix}.up", (I, Hd), Hd, 0, **tp)
+        self.down = weights.make(f"{prefix}.down", (Hd, I), I, 1, **tp)
+        self.tp_group_name = par.tp_group_name
+
+    def forward(self, x):
+        return _all_reduce(F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down), self.tp_group_name)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, index, mla_index, pool, max_requests, par, weights):
+        super().__init__()
+        prefix = f"layers.{index}"
+        self.kind = cfg.layer_types[index]
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weights.device, weights.dtype)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weights.device, weights.dtype)
+        if self.kind == "mla":
+            self.attn = MLAAttention(cfg, f"{prefix}.attn", mla_index, pool, par, weights)
+        elif self.kind == "linear":
+            self.attn = LinearAttentionLayer(cfg, f"{prefix}.attn", max_requests, par, weights)
+        else:
+            raise ValueError(f"unknown layer type {self.kind!r}; expected 'mla' or 'linear'")
+        self.mlp = MLP(cfg, f"{prefix}.mlp", par, weights)
+
+    def forward(self, h, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots):
+        x = self.input_norm(h)
+        if self.kind == "mla":
+            h = h + self.attn(x, positions, q_seq_ids, out_loc, req_to_token, seq_lens)
+        else:
+            h = h + self.attn(x, q_seq_ids, state_slots)
+        return h + self.mlp(self.post_norm(h))
+
+
+class MLAModel(nn.Module):
+    """forward(*ForwardBatch.args()) -> logits [B, vocab] in fp32 for each request row."""
+
+    def __init__(self, cfg: MLAModelConfig, kv_capacity: int, max_requests: int = 16,
+                 par: ParallelState | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", seed: int = 0):
+        super().__init__()
+        check_cache_dtype(dtype)
+        par = par or ParallelState()
+        self.cfg, self.parallel = cfg, par
+        weights = WeightFactory(seed, torch.device(device), dtype)
+        self.kv_pool = MLAKVPool(max(cfg.num_mla_layers, 1), kv_capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device) if cfg.num_mla_layers else None
+        self.embed = weights.make("embed", (cfg.vocab_size, cfg.hidden_size), 1)
+        mla_indices = [sum(t == "mla" for t in cfg.layer_types[:i]) for i in range(cfg.num_layers)]
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, mla_indices[i], self.kv_pool, max_requests, par, weights) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weights.device, dtype)
+        self.lm_head = weights.make("lm_head", (cfg.vocab_size, cfg.hidden_size), cfg.hidden_size)
+
+    def forward(self, input_ids, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots, logits_index):
+        h = F.embedding(input_ids, self.embed)
+        for layer in self.layers:
+            h = layer(h, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots)
+        return F.linear(self.norm(h)[logits_index], self.lm_head).float()

@@ -1,0 +1,110 @@
+"""Internal DCP ops that the passes insert. Model code never calls these.
+
+N = dcp_size, r = dcp_rank, I = interleave; layout math lives in runtime/layout.py.
+
+sharded_kv_write(kv_cache (local shard, mutated), latent, rope, loc, r, N, I)
+    Like mla_kv_write, but writes only the locations rank r owns, at their local rows.
+local_metadata(req_to_token, seq_lens, r, N, I) -> (local_req_to_token, local_seq_lens, local_positions)
+    Rank r's local page table (local rows, position order), lengths and global key positions.
+mla_partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions,
+                      q_seq_ids, q_positions, sm_scale) -> (out [T, H, R], lse [T, H] fp32)
+pack_partials(out [T, N*H, R], lse [T, N*H], N) -> [N, T, H, R + w]   (one all-to-all buffer)
+merge_partials(packed [N, T, H, R + w], R) -> [T, H, R]               (LSE merge over shards)
+check_locations(loc, num_rows, N, I) -> loc copy; raises on a location outside the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+from dcp_compile.lowering.torch import reference
+
+
+@custom_op("dcp::sharded_kv_write", mutates_args=("kv_cache",))
+def sharded_kv_write(
+    kv_cache: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    loc: torch.Tensor,
+    dcp_rank: int,
+    dcp_size: int,
+    interleave: int,
+) -> None:
+    reference.kv_write(kv_cache, latent, rope, loc, dcp_rank, dcp_size, interleave)
+
+
+@sharded_kv_write.register_fake
+def _(kv_cache, latent, rope, loc, dcp_rank, dcp_size, interleave):
+    return None
+
+
+@custom_op("dcp::local_metadata", mutates_args=())
+def local_metadata(
+    req_to_token: torch.Tensor, seq_lens: torch.Tensor, dcp_rank: int, dcp_size: int, interleave: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return reference.local_metadata(req_to_token, seq_lens, dcp_rank, dcp_size, interleave)
+
+
+@local_metadata.register_fake
+def _(req_to_token, seq_lens, dcp_rank, dcp_size, interleave):
+    return req_to_token.new_empty(req_to_token.shape), seq_lens.new_empty(seq_lens.shape), req_to_token.new_empty(req_to_token.shape)
+
+
+@custom_op("dcp::mla_partial_attention", mutates_args=())
+def mla_partial_attention(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    key_positions: torch.Tensor,
+    q_seq_ids: torch.Tensor,
+    q_positions: torch.Tensor,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.partial_attention(
+        q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, sm_scale
+    )
+
+
+@mla_partial_attention.register_fake
+def _(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, sm_scale):
+    tokens, heads, _ = q_latent.shape
+    return q_latent.new_empty(q_latent.shape), q_latent.new_empty((tokens, heads), dtype=torch.float32)
+
+
+@custom_op("dcp::pack_partials", mutates_args=())
+def pack_partials(out: torch.Tensor, lse: torch.Tensor, dcp_size: int) -> torch.Tensor:
+    return reference.pack_partials(out, lse, dcp_size)
+
+
+@pack_partials.register_fake
+def _(out, lse, dcp_size):
+    tokens, all_heads, rank_dim = out.shape
+    if all_heads % dcp_size:
+        raise ValueError(f"{all_heads} gathered heads do not split over dcp_size {dcp_size}")
+    words = reference.lse_words(out.dtype)
+    return out.new_empty((dcp_size, tokens, all_heads // dcp_size, rank_dim + words))
+
+
+@custom_op("dcp::merge_partials", mutates_args=())
+def merge_partials(packed: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
+    return reference.merge_partials(packed, kv_lora_rank)
+
+
+@merge_partials.register_fake
+def _(packed, kv_lora_rank):
+    _, tokens, heads, _ = packed.shape
+    return packed.new_empty((tokens, heads, kv_lora_rank))
+
+
+@custom_op("dcp::check_locations", mutates_args=())
+def check_locations(loc: torch.Tensor, num_rows: int, dcp_size: int, interleave: int) -> torch.Tensor:
+    reference.check_write_locations(loc, num_rows, dcp_size, interleave)
+    return loc.clone()
+
+
+@check_locations.register_fake
+def _(loc, num_rows, dcp_size, interleave):
+    return loc.new_empty(loc.shape)

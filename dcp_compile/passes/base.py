@@ -1,0 +1,30 @@
+"""The pass interface and the slice of configuration passes receive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """What passes may know: the DCP layout of this rank, never the model."""
+
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    interleave: int = 1
+    dcp_group_name: str | None = None
+    debug_checks: bool = False
+
+
+class GraphPass:
+    """A graph pass. `applies` decides for itself; `run` rewrites in place, returns sites rewritten."""
+
+    name: str = ""
+
+    def applies(self, config: PassConfig) -> bool:
+        return True
+
+    def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
+        raise NotImplementedError

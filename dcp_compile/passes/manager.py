@@ -1,0 +1,107 @@
+"""The pass manager: the only place that knows the order of passes.
+
+Runs each pass under timing and logging, records sites rewritten and node counts, can dump the
+graph before and after each pass (numbered), can skip passes by name, and always ends with
+cleanup and the verifier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch.fx as fx
+
+from dcp_compile.passes.base import GraphPass, PassConfig
+from dcp_compile.passes.check_locations import CheckLocations
+from dcp_compile.passes.cleanup import Cleanup
+from dcp_compile.passes.graph_utils import normalize_meta, op_counts
+from dcp_compile.passes.local_metadata import LocalMetadata
+from dcp_compile.passes.rewrite_attention import RewriteAttention
+from dcp_compile.passes.shard_kv_write import ShardKVWrite
+from dcp_compile.passes.verify import Verify
+
+log = logging.getLogger("dcp_compile.passes")
+
+
+def default_passes() -> list[GraphPass]:
+    return [CheckLocations(), ShardKVWrite(), LocalMetadata(), RewriteAttention(), Cleanup(), Verify()]
+
+
+PASS_NAMES = tuple(p.name for p in default_passes())
+ALWAYS_ON = ("verify",)
+
+
+@dataclass
+class PassRecord:
+    name: str
+    ran: bool
+    sites: int
+    nodes_before: int
+    nodes_after: int
+    milliseconds: float
+    ops_before: dict = field(default_factory=dict)
+    ops_after: dict = field(default_factory=dict)
+
+
+@dataclass
+class PassReport:
+    records: list[PassRecord]
+
+    def sites(self, name: str) -> int:
+        return sum(r.sites for r in self.records if r.name == name)
+
+    def summary(self) -> dict[str, int]:
+        return {r.name: r.sites for r in self.records}
+
+    def as_dict(self) -> dict:
+        return {"passes": [asdict(r) for r in self.records]}
+
+
+def check_pass_names(names) -> None:
+    unknown = [n for n in names if n not in PASS_NAMES]
+    if unknown:
+        raise ValueError(f"unknown pass name(s) {unknown}; passes are {list(PASS_NAMES)}")
+    if any(n in ALWAYS_ON for n in names):
+        raise ValueError(f"pass(es) {list(ALWAYS_ON)} cannot be disabled")
+
+
+class PassManager:
+    def __init__(self, config: PassConfig, disabled=(), dump_dir: str | Path | None = None,
+                 passes: list[GraphPass] | None = None):
+        check_pass_names(disabled)
+        self.config, self.disabled = config, tuple(disabled)
+        self.passes = passes if passes is not None else default_passes()
+        self.dump_dir = Path(dump_dir) if dump_dir else None
+        self.graphs_run = 0
+
+    def run(self, gm: fx.GraphModule) -> PassReport:
+        normalize_meta(gm.graph)
+        graph_index, self.graphs_run = self.graphs_run, self.graphs_run + 1
+        records = []
+        for order, graph_pass in enumerate(self.passes):
+            before_nodes, before_ops = len(gm.graph.nodes), dict(op_counts(gm.graph))
+            ran = graph_pass.name not in self.disabled and graph_pass.applies(self.config)
+            if self.dump_dir:
+                self._dump(gm, graph_index, order, graph_pass.name, "before")
+            start = time.perf_counter()
+            sites = graph_pass.run(gm, self.config) if ran else 0
+            elapsed = (time.perf_counter() - start) * 1e3
+            if ran:
+                gm.recompile()
+            if self.dump_dir:
+                self._dump(gm, graph_index, order, graph_pass.name, "after")
+            record = PassRecord(graph_pass.name, ran, sites, before_nodes, len(gm.graph.nodes), elapsed,
+                                before_ops, dict(op_counts(gm.graph)))
+            log.info("pass %-18s ran=%s sites=%d nodes %d -> %d in %.2f ms", record.name, ran, sites,
+                     record.nodes_before, record.nodes_after, elapsed)
+            records.append(record)
+        return PassReport(records)
+
+    def _dump(self, gm: fx.GraphModule, graph_index: int, order: int, name: str, when: str) -> None:
+        folder = self.dump_dir / f"graph{graph_index:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+        (folder / f"{order:02d}-{name}.{when}.py").write_text(text)

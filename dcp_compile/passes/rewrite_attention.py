@@ -1,0 +1,76 @@
+"""Rewrite each MLA attention into DCP: Q all-gather, local partial attention, one packed
+all-to-all carrying out + fp32 LSE, and the LSE merge.
+
+    before: o = mla_attention(q_lat [T,H,R], q_rope [T,H,P], cache, req_to_token, seq_lens, ids, pos, s)
+    after:  q   = wait(all_gather_into_tensor(cat(q_lat, q_rope), N, dcp_group))   # [N*T, H, R+P]
+            q   = q.view(N, T, H, R+P).transpose(0, 1).reshape(T, N*H, R+P)        # peer-major heads
+            o, lse = dcp.mla_partial_attention(q[..., :R], q[..., R:], cache, *meta, ids, pos, s)
+            buf = wait(all_to_all_single(dcp.pack_partials(o, lse, N), dcp_group))  # [N, T, H, R+w]
+            o   = dcp.merge_partials(buf, R)                                        # [T, H, R]
+
+Assumes: local_metadata ran (it supplies `meta`); the DCP group holds the N TP ranks whose heads
+are gathered, in rank order (runtime/parallel.py).
+Guarantees: each rank ends with exactly its own heads; the collectives are visible graph nodes;
+an already-rewritten site (no mla_attention left) is not touched again.
+Why a pass: the exchange pattern is the same for every MLA model, and keeping the collectives
+in the graph lets later passes fuse, overlap and measure them.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from dcp_compile.passes import sites
+from dcp_compile.passes.base import GraphPass, PassConfig
+from dcp_compile.passes.graph_utils import call, fake_value
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _group_name(config: PassConfig) -> str:
+    if config.dcp_group_name is None:
+        raise RuntimeError("rewrite_attention needs a DCP process group name when dcp_size > 1")
+    return config.dcp_group_name
+
+
+class RewriteAttention(GraphPass):
+    name = "rewrite_attention"
+
+    def applies(self, config: PassConfig) -> bool:
+        return config.dcp_size > 1
+
+    def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
+        graph, n = gm.graph, config.dcp_size
+        group = _group_name(config)
+        metadata = sites.find_local_metadata(graph)
+        attention = sites.find_attention_sites(graph)
+        for site in attention:
+            meta = metadata.get((site.req_to_token, site.seq_lens))
+            if meta is None:
+                raise RuntimeError("rewrite_attention found an MLA site with no local metadata: run local_metadata first")
+            tokens, heads, rank_dim = fake_value(site.q_latent).shape
+            row_dim = rank_dim + fake_value(site.q_rope).shape[-1]
+            with graph.inserting_before(site.node):
+                q = call(graph, aten.cat.default, [site.q_latent, site.q_rope], -1)
+                q = call(graph, c10d.wait_tensor.default, call(graph, c10d.all_gather_into_tensor.default, q, n, group))
+                q = call(graph, aten.view.default, q, [n, tokens, heads, row_dim])
+                q = call(graph, aten.transpose.int, q, 0, 1)
+                q = call(graph, aten.reshape.default, q, [tokens, n * heads, row_dim])
+                q_latent = call(graph, aten.slice.Tensor, q, -1, 0, rank_dim)
+                q_rope = call(graph, aten.slice.Tensor, q, -1, rank_dim, row_dim)
+                local = [call(graph, operator.getitem, meta, i) for i in range(3)]
+                partial = call(graph, sites.PARTIAL_ATTENTION, q_latent, q_rope, site.cache, *local,
+                               site.q_seq_ids, site.q_positions, site.sm_scale)
+                out, lse = (call(graph, operator.getitem, partial, i) for i in range(2))
+                packed = call(graph, torch.ops.dcp.pack_partials.default, out, lse, n)
+                exchanged = call(graph, c10d.all_to_all_single.default, packed, [1] * n, [1] * n, group)
+                exchanged = call(graph, c10d.wait_tensor.default, exchanged)
+                merged = call(graph, torch.ops.dcp.merge_partials.default, exchanged, rank_dim)
+            site.node.replace_all_uses_with(merged)
+        for site in attention:
+            graph.erase_node(site.node)
+        return len(attention)

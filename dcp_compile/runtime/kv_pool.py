@@ -1,0 +1,95 @@
+"""Per-layer latent KV caches with a logical capacity, sharded by tokens under DCP."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from dcp_compile.runtime import layout
+
+SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class CapacityReport:
+    dcp_size: int
+    interleave: int
+    rows_per_rank: int
+    bytes_per_rank: int
+    usable_locations: int
+    unsharded_usable_locations: int
+    capacity_ratio: float
+    rows_lost: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_cache_dtype(dtype: torch.dtype) -> None:
+    if dtype not in SUPPORTED_CACHE_DTYPES:
+        raise TypeError(f"unsupported KV cache dtype {dtype}; supported: {list(SUPPORTED_CACHE_DTYPES)}")
+
+
+class MLAKVPool(nn.Module):
+    """One [rows, R + P] cache per MLA layer. Location 0 is reserved for padding.
+
+    Unsharded, rows == capacity. `reshard` keeps the rows per rank (the memory) and grows the
+    logical capacity N-fold, or keeps the capacity and shrinks the rows.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, kv_lora_rank: int, rope_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        check_cache_dtype(dtype)
+        if num_layers < 1:
+            raise ValueError("an MLA KV pool needs at least one MLA layer")
+        if capacity < 2:
+            raise ValueError(f"capacity must be >= 2 (location 0 is reserved), got {capacity}")
+        self.num_layers, self.row_dim = num_layers, kv_lora_rank + rope_dim
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.dcp_size, self.dcp_rank, self.interleave = 1, 0, 1
+        self.unsharded_rows = capacity
+        self.capacity = capacity
+        self._allocate(capacity)
+
+    def _allocate(self, rows: int) -> None:
+        self.rows_per_rank = rows
+        for i in range(self.num_layers):
+            self.register_buffer(f"layer_{i}", torch.zeros(rows, self.row_dim, dtype=self.dtype, device=self.device), persistent=False)
+
+    def cache(self, layer: int) -> torch.Tensor:
+        return getattr(self, f"layer_{layer}")
+
+    def reshard(self, dcp_size: int, dcp_rank: int, interleave: int = 1, keep: str = "memory") -> None:
+        """Reallocate as rank `dcp_rank`'s shard. Contents are dropped: call before any write."""
+        layout.validate(dcp_size, dcp_rank, interleave)
+        if keep == "memory":
+            rows = (self.unsharded_rows // interleave) * interleave
+            if rows == 0:
+                raise ValueError(f"interleave {interleave} exceeds the pool's {self.unsharded_rows} rows")
+            capacity = layout.logical_capacity(rows, dcp_size, interleave)
+        elif keep == "capacity":
+            capacity = self.unsharded_rows
+            rows = layout.rows_per_rank(capacity, dcp_size, interleave)
+        else:
+            raise ValueError(f"keep must be 'memory' or 'capacity', got {keep!r}")
+        self.dcp_size, self.dcp_rank, self.interleave, self.capacity = dcp_size, dcp_rank, interleave, capacity
+        self._allocate(rows)
+
+    def report(self) -> CapacityReport:
+        usable = self.capacity - 1
+        per_row = self.row_dim * torch.empty((), dtype=self.dtype).element_size()
+        unsharded_usable = self.rows_per_rank - 1
+        return CapacityReport(
+            dcp_size=self.dcp_size,
+            interleave=self.interleave,
+            rows_per_rank=self.rows_per_rank,
+            bytes_per_rank=self.rows_per_rank * per_row * self.num_layers,
+            usable_locations=usable,
+            unsharded_usable_locations=unsharded_usable,
+            capacity_ratio=usable / unsharded_usable,
+            rows_lost=self.rows_per_rank * self.dcp_size - usable,
+        )

@@ -1,0 +1,45 @@
+"""The one place that knows how logical KV locations map onto DCP ranks.
+
+N = dcp_size, r = dcp_rank, I = interleave size.
+  owner(loc) = (loc // I) % N
+  local(loc) = (loc // (I*N)) * I + loc % I
+Location 0 is reserved for padding writes: it is never written and never read.
+Every function works on Python ints and on integer tensors alike.
+"""
+
+from __future__ import annotations
+
+PADDING_LOC = 0
+
+
+def owner(loc, dcp_size: int, interleave: int = 1):
+    return (loc // interleave) % dcp_size
+
+
+def local_row(loc, dcp_size: int, interleave: int = 1):
+    return (loc // (interleave * dcp_size)) * interleave + loc % interleave
+
+
+def global_loc(row, dcp_rank: int, dcp_size: int, interleave: int = 1):
+    """Inverse of (owner, local_row): the logical location stored at `row` of rank `dcp_rank`."""
+    return (row // interleave) * interleave * dcp_size + dcp_rank * interleave + row % interleave
+
+
+def rows_per_rank(capacity: int, dcp_size: int, interleave: int = 1) -> int:
+    """Physical rows a rank needs so that every location in [0, capacity) has a row."""
+    stride = interleave * dcp_size
+    return -(-capacity // stride) * interleave
+
+
+def logical_capacity(rows: int, dcp_size: int, interleave: int = 1) -> int:
+    """Largest logical capacity whose every location fits in `rows` rows per rank."""
+    return (rows // interleave) * interleave * dcp_size
+
+
+def validate(dcp_size: int, dcp_rank: int, interleave: int) -> None:
+    if dcp_size < 1:
+        raise ValueError(f"dcp_size must be >= 1, got {dcp_size}")
+    if not 0 <= dcp_rank < dcp_size:
+        raise ValueError(f"dcp_rank must be in [0, {dcp_size}), got {dcp_rank}")
+    if interleave < 1:
+        raise ValueError(f"interleave must be >= 1, got {interleave}")

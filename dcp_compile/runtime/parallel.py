@@ -1,0 +1,76 @@
+"""Process groups: a TP group with DCP groups inside it.
+
+Rank convention (one, used everywhere):
+- TP groups are consecutive blocks of `tp_size` world ranks; tp_rank = rank % tp_size.
+- Inside a TP group, DCP groups are consecutive blocks of `dcp_size` TP ranks;
+  dcp_rank = tp_rank % dcp_size.
+- TP rank t owns heads [t*H/T, (t+1)*H/T). A DCP group therefore gathers a contiguous range of
+  heads, and peer j's heads sit at [j*H/T, (j+1)*H/T) of the gathered tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    tp_size: int = 1
+    tp_rank: int = 0
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    tp_group_name: str | None = None
+    dcp_group_name: str | None = None
+
+
+def _group(ranks: list[int]) -> dist.ProcessGroup:
+    """new_group is collective over the world, so every rank creates every block in one order."""
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks)
+    return _GROUPS[key]
+
+
+def _blocks(ranks: list[int], size: int) -> list[list[int]]:
+    return [ranks[i : i + size] for i in range(0, len(ranks), size)]
+
+
+def validate_sizes(tp_size: int, dcp_size: int, world_size: int) -> None:
+    if dcp_size < 1:
+        raise ValueError(f"dcp_size must be >= 1, got {dcp_size}")
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"tp_size {tp_size} must be >= 1 and divide the world size {world_size}")
+    if tp_size % dcp_size:
+        raise ValueError(
+            f"dcp_size {dcp_size} must divide tp_size {tp_size}: DCP groups live inside a TP group "
+            f"(allowed: {[d for d in range(1, tp_size + 1) if tp_size % d == 0]})"
+        )
+
+
+def build(tp_size: int, dcp_size: int = 1) -> ParallelState:
+    """Create (or reuse) the TP and DCP groups for this rank. Collective: call on every rank."""
+    if not dist.is_initialized():
+        validate_sizes(tp_size, dcp_size, 1)
+        return ParallelState(tp_size=1, tp_rank=0, dcp_size=1, dcp_rank=0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    validate_sizes(tp_size, dcp_size, world)
+    tp_name = dcp_name = None
+    for tp_ranks in _blocks(list(range(world)), tp_size):
+        tp_group = _group(tp_ranks) if tp_size > 1 else None
+        for dcp_ranks in _blocks(tp_ranks, dcp_size):
+            dcp_group = _group(dcp_ranks) if dcp_size > 1 else None
+            if rank in dcp_ranks and dcp_group is not None:
+                dcp_name = dcp_group.group_name
+        if rank in tp_ranks and tp_group is not None:
+            tp_name = tp_group.group_name
+    tp_rank = rank % tp_size
+    return ParallelState(tp_size, tp_rank, dcp_size, tp_rank % dcp_size, tp_name, dcp_name)
+
+
+def with_dcp(state: ParallelState, dcp_size: int) -> ParallelState:
+    """The same TP layout with DCP groups of `dcp_size`."""
+    return build(state.tp_size, dcp_size) if dist.is_initialized() else build(1, dcp_size)
