@@ -25,6 +25,13 @@ def normalize_meta(graph: fx.Graph) -> None:
 
 
 def fake_mode_of(graph: fx.Graph):
+    """The FakeTensorMode the graph's values belong to (looked up once per graph)."""
+    if "_dcp_fake_mode" not in graph.__dict__:
+        graph.__dict__["_dcp_fake_mode"] = _find_fake_mode(graph)
+    return graph.__dict__["_dcp_fake_mode"]
+
+
+def _find_fake_mode(graph: fx.Graph):
     for node in graph.nodes:
         vals = fake_value(node)
         for val in vals if isinstance(vals, (tuple, list)) else (vals,):

@@ -70,11 +70,15 @@ def check_pass_names(names) -> None:
 
 class PassManager:
     def __init__(self, config: PassConfig, disabled=(), dump_dir: str | Path | None = None,
-                 passes: list[GraphPass] | None = None):
+                 passes: list[GraphPass] | None = None, observers=()):
+        """observers: callables observer(graph_index, order, pass_name, when, gm), called with
+        when = 'before' and 'after' around every pass (dumps and test harnesses use them)."""
         check_pass_names(disabled)
         self.config, self.disabled = config, tuple(disabled)
         self.passes = passes if passes is not None else default_passes()
-        self.dump_dir = Path(dump_dir) if dump_dir else None
+        self.observers = list(observers)
+        if dump_dir:
+            self.observers.append(TextDump(Path(dump_dir)))
         self.graphs_run = 0
 
     def run(self, gm: fx.GraphModule) -> PassReport:
@@ -84,15 +88,13 @@ class PassManager:
         for order, graph_pass in enumerate(self.passes):
             before_nodes, before_ops = len(gm.graph.nodes), dict(op_counts(gm.graph))
             ran = graph_pass.name not in self.disabled and graph_pass.applies(self.config)
-            if self.dump_dir:
-                self._dump(gm, graph_index, order, graph_pass.name, "before")
+            self._notify(graph_index, order, graph_pass.name, "before", gm)
             start = time.perf_counter()
             sites = graph_pass.run(gm, self.config) if ran else 0
             elapsed = (time.perf_counter() - start) * 1e3
             if ran:
                 gm.recompile()
-            if self.dump_dir:
-                self._dump(gm, graph_index, order, graph_pass.name, "after")
+            self._notify(graph_index, order, graph_pass.name, "after", gm)
             record = PassRecord(graph_pass.name, ran, sites, before_nodes, len(gm.graph.nodes), elapsed,
                                 before_ops, dict(op_counts(gm.graph)))
             log.info("pass %-18s ran=%s sites=%d nodes %d -> %d in %.2f ms", record.name, ran, sites,
@@ -100,8 +102,23 @@ class PassManager:
             records.append(record)
         return PassReport(records)
 
-    def _dump(self, gm: fx.GraphModule, graph_index: int, order: int, name: str, when: str) -> None:
-        folder = self.dump_dir / f"graph{graph_index:02d}"
+    def _notify(self, graph_index: int, order: int, name: str, when: str, gm: fx.GraphModule) -> None:
+        for observer in self.observers:
+            observer(graph_index, order, name, when, gm)
+
+
+def readable(gm: fx.GraphModule) -> str:
+    """FX code with shapes and dtypes."""
+    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+
+
+class TextDump:
+    """Writes DIR/graphNN/OO-pass.{before,after}.py for every pass."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def __call__(self, graph_index: int, order: int, name: str, when: str, gm: fx.GraphModule) -> None:
+        folder = self.folder / f"graph{graph_index:02d}"
         folder.mkdir(parents=True, exist_ok=True)
-        text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-        (folder / f"{order:02d}-{name}.{when}.py").write_text(text)
+        (folder / f"{order:02d}-{name}.{when}.py").write_text(readable(gm))

@@ -1,0 +1,68 @@
+"""Pass test harness: capture a model's dynamo graph once, run passes on copies, record each
+pass's graph before and after, and count ops. No process group is needed: passes only embed the
+group name, and the verifier propagates fake tensors."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.passes import PassConfig, PassManager
+from dcp_compile.passes.graph_utils import op_counts
+from dcp_compile.runtime.batch import RequestTable
+
+
+def capture(model: torch.nn.Module, *args) -> fx.GraphModule:
+    """The full dynamo graph of model(*args), with fake values on every node."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(copy.deepcopy(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*args)
+    assert len(graphs) == 1, f"expected one graph, got {len(graphs)}"
+    return graphs[0]
+
+
+def tiny_graph(layer_types=None, batch_lengths=((3, 1), (1, 1), (0, 1)), capacity=128) -> fx.GraphModule:
+    """Capture the tiny model on a small extend batch: (prefix, new tokens) per request."""
+    cfg = preset("tiny")
+    if layer_types is not None:
+        cfg = cfg.replace(layer_types=tuple(layer_types))
+    model = MLAModel(cfg, kv_capacity=capacity, max_requests=len(batch_lengths))
+    table = RequestTable(len(batch_lengths), 16, capacity)
+    requests = list(range(len(batch_lengths)))
+    for r, (prefix, _) in enumerate(batch_lengths):
+        if prefix:
+            table.append(r, prefix)
+    batch = table.extend_batch(requests, [[1] * new for _, new in batch_lengths], pad_rows=1)
+    return capture(model, *batch.args())
+
+
+@dataclass
+class Recorder:
+    """Keeps readable copies of the graph and op counts before and after each pass."""
+
+    snapshots: dict = field(default_factory=dict)
+
+    def __call__(self, graph_index, order, name, when, gm):
+        self.snapshots[(name, when)] = (gm.code, op_counts(gm.graph))
+
+    def ops(self, name: str, when: str) -> dict:
+        return self.snapshots[(name, when)][1]
+
+
+def run_passes(gm: fx.GraphModule, dcp_size=2, dcp_rank=0, interleave=1, debug_checks=False, disabled=()):
+    """Run the default pipeline on a copy of gm. Returns (rewritten gm, report, recorder)."""
+    gm = copy.deepcopy(gm)
+    recorder = Recorder()
+    config = PassConfig(dcp_size, dcp_rank, interleave, "fake-dcp-group" if dcp_size > 1 else None, debug_checks)
+    report = PassManager(config, disabled, observers=[recorder]).run(gm)
+    return gm, report, recorder
