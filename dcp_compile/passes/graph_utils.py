@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import weakref
 
 import torch
 import torch.fx as fx
@@ -24,11 +25,14 @@ def normalize_meta(graph: fx.Graph) -> None:
             node.meta["val"] = node.meta["example_value"]
 
 
+_FAKE_MODES: "weakref.WeakKeyDictionary[fx.Graph, object]" = weakref.WeakKeyDictionary()
+
+
 def fake_mode_of(graph: fx.Graph):
     """The FakeTensorMode the graph's values belong to (looked up once per graph)."""
-    if "_dcp_fake_mode" not in graph.__dict__:
-        graph.__dict__["_dcp_fake_mode"] = _find_fake_mode(graph)
-    return graph.__dict__["_dcp_fake_mode"]
+    if graph not in _FAKE_MODES:
+        _FAKE_MODES[graph] = _find_fake_mode(graph)
+    return _FAKE_MODES[graph]
 
 
 def _find_fake_mode(graph: fx.Graph):
