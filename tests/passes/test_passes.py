@@ -1,0 +1,126 @@
+"""Pass-level tests: finders (with negative cases), op counts before and after each pass,
+idempotence, hybrid layers left alone, debug checks, and the pass switches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+from dcp_compile.passes import PassConfig, PassManager
+from dcp_compile.passes import sites
+from tests.harness import capture, run_passes, tiny_graph
+
+MLA_LAYERS = 3  # the tiny preset: mla, linear, mla, mla
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return tiny_graph()
+
+
+def test_finders_match_canonical_ops(graph):
+    assert len(sites.find_attention_sites(graph.graph)) == MLA_LAYERS
+    assert len(sites.find_kv_writes(graph.graph)) == MLA_LAYERS
+    assert sites.find_local_metadata(graph.graph) == {}
+
+
+def test_finders_ignore_other_attention():
+    """Attention not written with dcp:: ops (SDPA here) is not an MLA site."""
+
+    def sdpa_model(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    gm = capture(sdpa_model, *(torch.randn(1, 2, 4, 8) for _ in range(3)))
+    assert sites.find_attention_sites(gm.graph) == []
+    assert sites.find_kv_writes(gm.graph) == []
+    _, report, _ = run_passes(gm, dcp_size=2)
+    assert report.sites("shard_kv_write") == 0 and report.sites("rewrite_attention") == 0
+
+
+def test_op_counts_before_and_after(graph):
+    _, report, rec = run_passes(graph, dcp_size=2)
+    assert report.summary()["shard_kv_write"] == MLA_LAYERS
+    assert report.summary()["local_metadata"] == 1
+    assert report.summary()["rewrite_attention"] == MLA_LAYERS
+
+    before, after = rec.ops("shard_kv_write", "before"), rec.ops("shard_kv_write", "after")
+    assert before["dcp::mla_kv_write"] == MLA_LAYERS and "dcp::sharded_kv_write" not in before
+    assert after["dcp::sharded_kv_write"] == MLA_LAYERS and "dcp::mla_kv_write" not in after
+
+    assert rec.ops("local_metadata", "after")["dcp::local_metadata"] == 1  # shared by all layers
+
+    after = rec.ops("rewrite_attention", "after")
+    assert "dcp::mla_attention" not in after
+    for op in ("dcp::mla_partial_attention", "dcp::pack_partials", "dcp::merge_partials",
+               "_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_to_all_single"):
+        assert after[op] == MLA_LAYERS, op
+    assert after["_c10d_functional::wait_tensor"] == 2 * MLA_LAYERS
+
+
+def test_passes_are_idempotent(graph):
+    once, _, rec_once = run_passes(graph, dcp_size=4)
+    _, report, rec_twice = run_passes(once, dcp_size=4)
+    assert all(report.sites(name) == 0 for name in ("shard_kv_write", "local_metadata", "rewrite_attention"))
+    assert rec_twice.ops("verify", "after") == rec_once.ops("verify", "after")
+
+
+def test_dcp_size_one_is_left_unchanged(graph):
+    gm, report, rec = run_passes(graph, dcp_size=1)
+    assert all(not r.ran for r in report.records if r.name not in ("cleanup", "verify"))
+    assert rec.ops("verify", "after") == rec.ops("check_locations", "before")
+
+
+def test_hybrid_linear_attention_layers_untouched():
+    gm = tiny_graph(layer_types=("linear", "linear", "linear", "mla"))
+    linear_before = [n for n in gm.graph.nodes if "linear_attention" in str(n.target)]
+    rewritten, report, rec = run_passes(gm, dcp_size=2)
+    linear_after = [n for n in rewritten.graph.nodes if "linear_attention" in str(n.target)]
+    assert len(linear_before) == len(linear_after) == 3
+    for a, b in zip(linear_before, linear_after):
+        assert [str(x) for x in a.args] == [str(x) for x in b.args]
+    assert report.sites("rewrite_attention") == 1
+
+
+def test_gathered_heads_and_exchange_shapes(graph):
+    gm, _, _ = run_passes(graph, dcp_size=2)
+    partial = next(n for n in gm.graph.nodes if n.target is sites.PARTIAL_ATTENTION)
+    out, lse = partial.meta["val"]
+    tokens = partial.args[6].meta["val"].shape[0]
+    assert out.shape == (tokens, 8 * 2, 32) and lse.shape == (tokens, 16) and lse.dtype == torch.float32
+    merged = next(n for n in gm.graph.nodes if n.target is torch.ops.dcp.merge_partials.default)
+    assert merged.meta["val"].shape == (tokens, 8, 32)
+
+
+def test_debug_checks_guard_every_write(graph):
+    _, report, rec = run_passes(graph, dcp_size=2, debug_checks=True)
+    assert report.sites("check_locations") == MLA_LAYERS
+    after = rec.ops("verify", "after")
+    assert after["dcp::check_locations"] == MLA_LAYERS
+    _, report, _ = run_passes(graph, dcp_size=2, debug_checks=False)
+    assert report.sites("check_locations") == 0
+
+
+def test_disabling_a_pass(graph):
+    _, report, rec = run_passes(graph, dcp_size=2, disabled=("shard_kv_write",))
+    assert rec.ops("verify", "after")["dcp::mla_kv_write"] == MLA_LAYERS
+
+
+def test_unknown_or_mandatory_pass_names_are_rejected():
+    with pytest.raises(ValueError, match="unknown pass"):
+        PassManager(PassConfig(), disabled=("shard_everything",))
+    with pytest.raises(ValueError, match="cannot be disabled"):
+        PassManager(PassConfig(), disabled=("verify",))
+
+
+def test_rewrite_without_group_is_an_error(graph):
+    with pytest.raises(RuntimeError, match="process group"):
+        PassManager(PassConfig(dcp_size=2)).run(__import__("copy").deepcopy(graph))
+
+
+def test_rewritten_graph_is_well_typed(graph):
+    gm, _, _ = run_passes(graph, dcp_size=2)
+    gm.graph.lint()
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            assert "val" in node.meta, node.format_node()

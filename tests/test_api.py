@@ -1,0 +1,89 @@
+"""apply(): baseline behaviour and clear, early errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcp_compile
+from dcp_compile import DCPConfig
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.runtime.batch import RequestTable
+from dcp_compile.runtime.parallel import ParallelState, validate_sizes
+
+
+def _model(**kw):
+    return MLAModel(preset("tiny"), kv_capacity=64, max_requests=2, **kw)
+
+
+def test_dcp_size_one_is_the_plain_model():
+    eager, compiled = _model(seed=3), dcp_compile.apply(_model(seed=3), 1)
+    table_a, table_b = RequestTable(2, 16, 64), RequestTable(2, 16, 64)
+    batch_a = table_a.extend_batch([0, 1], [[3, 4, 5], [6]], pad_rows=1)
+    batch_b = table_b.extend_batch([0, 1], [[3, 4, 5], [6]], pad_rows=1)
+    torch.testing.assert_close(compiled(*batch_b.args()), eager(*batch_a.args()), atol=0, rtol=0)
+    summary = dcp_compile.state(compiled).pass_summary()
+    assert summary["shard_kv_write"] == 0 and summary["rewrite_attention"] == 0
+
+
+@pytest.mark.parametrize("dcp_size", [0, -1])
+def test_dcp_size_below_one(dcp_size):
+    with pytest.raises(ValueError, match="dcp_size"):
+        dcp_compile.apply(_model(), dcp_size)
+
+
+def test_dcp_size_must_divide_tp_size():
+    with pytest.raises(ValueError, match="must divide tp_size"):
+        validate_sizes(tp_size=4, dcp_size=3, world_size=4)
+    with pytest.raises(ValueError, match="must divide tp_size"):
+        dcp_compile.apply(_model(), 2)  # one process: tp_size 1
+
+
+def test_tp_size_must_divide_world():
+    with pytest.raises(ValueError, match="divide the world size"):
+        validate_sizes(tp_size=3, dcp_size=1, world_size=4)
+
+
+def test_heads_that_tp_cannot_split():
+    with pytest.raises(ValueError, match="heads do not split over tp_size 3"):
+        _model(par=ParallelState(tp_size=3, tp_rank=0))
+
+
+def test_model_without_mla_sites():
+    with pytest.raises(ValueError, match="no MLA sites"):
+        dcp_compile.apply(torch.nn.Linear(4, 4), 1)
+    all_linear = MLAModel(preset("tiny").replace(layer_types=("linear", "linear")), kv_capacity=64)
+    with pytest.raises(ValueError, match="no MLA sites"):
+        dcp_compile.apply(all_linear, 1)
+
+
+def test_unsupported_cache_dtype():
+    with pytest.raises(TypeError, match="unsupported KV cache dtype"):
+        _model(dtype=torch.float64)
+
+
+def test_unknown_pass_name_in_config():
+    with pytest.raises(ValueError, match="unknown pass"):
+        dcp_compile.apply(_model(), 1, disabled_passes=("no_such_pass",))
+
+
+@pytest.mark.parametrize("field,value", [("inner_compile", "tvm"), ("kernels", "cuda"), ("interleave", 0)])
+def test_config_validation(field, value):
+    with pytest.raises(ValueError, match=field):
+        DCPConfig(**{field: value})
+
+
+def test_out_of_range_location_is_caught_in_debug_mode():
+    compiled = dcp_compile.apply(_model(), 1, debug_checks=True)
+    batch = RequestTable(2, 16, 64).extend_batch([0], [[1, 2]])
+    batch.out_loc[1] = 64  # the pool has locations 0..63
+    with pytest.raises(IndexError, match="KV write location 64 is outside the pool"):
+        compiled(*batch.args())
+
+
+def test_model_contract_needs_parallel_state():
+    model = _model()
+    del model.parallel
+    with pytest.raises(ValueError, match="parallel"):
+        dcp_compile.apply(model, 1)
