@@ -1,0 +1,277 @@
+"""MLA partial attention with LSE over a token-granular page table: split-KV flash decoding.
+
+Matches `reference.partial_attention`. Query t of request b = q_seq_ids[t] sees the local keys
+j < seq_lens[b] with key_positions[b, j] <= q_positions[t]; keys carry global positions, so the
+causal mask of verify and extend holds on a shard. A query that sees no key gets out = 0 and
+lse = -inf.
+
+Stage 1 runs one program per (query, KV split, head tile). Each program loads a block of KV
+rows once and uses it for every head of its tile: the latent part is both K (scores) and V
+(output), the rope part only K. With at most MAX_BLOCK_H heads there is one tile, so each KV row
+is read once for all heads of the query; that keeps the time flat from 16 to 64 heads. With more
+heads, the tiles of one split are adjacent program ids, so they run together and share the rows
+through L2. Stage 2 merges the splits of each (query, head) by their LSE.
+
+Offsets into the cache, the queries and the workspace are 64-bit, so a pool of more than 2^31
+elements works.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from dcp_compile.lowering.triton.attention_tiling import AttentionTiling, choose_tiling
+from dcp_compile.lowering.triton.launching import (
+    block_size,
+    check_float,
+    check_index,
+    check_same_device,
+    grid_for,
+    is_interpreted,
+)
+
+_LN2 = math.log(2.0)
+
+
+@triton.jit
+def _keys_per_split(seq_len, width, num_splits, BLOCK_N: tl.constexpr):
+    """A request's keys cut into num_splits runs of whole blocks, from its own length, so the
+    work spreads evenly whatever the page-table width. Returns (keys, keys per split)."""
+    length = tl.minimum(seq_len, width)
+    return length, tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _attend_splits_kernel(
+    q_latent_ptr, q_rope_ptr, kv_cache_ptr, page_table_ptr, seq_lens_ptr, key_positions_ptr,
+    q_seq_ids_ptr, q_positions_ptr, split_out_ptr, split_lse_ptr,
+    tokens, heads, width, num_splits, head_tiles, scale_log2,
+    stride_q_latent_token, stride_q_latent_head, stride_q_latent_col,
+    stride_q_rope_token, stride_q_rope_head, stride_q_rope_col,
+    stride_cache_row, stride_cache_col,
+    stride_table_req, stride_table_col,
+    stride_seq_lens,
+    stride_key_positions_req, stride_key_positions_col,
+    stride_q_seq_ids, stride_q_positions,
+    stride_split_out_token, stride_split_out_split, stride_split_out_head,
+    stride_split_lse_token, stride_split_lse_split,
+    RANK_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LN2: tl.constexpr,
+):
+    latent_cols = tl.arange(0, BLOCK_R)
+    rope_cols = tl.arange(0, BLOCK_P)
+    latent_mask = latent_cols < RANK_DIM
+    rope_mask = rope_cols < ROPE_DIM
+    key_offsets = tl.arange(0, BLOCK_N)
+    # Operands of the dots: the cache dtype on the device; fp32 under the interpreter, whose
+    # tl.dot multiplies the raw bits of bf16 (triton-lang/triton#11584).
+    if DOT_IN_FP32:
+        operand_dtype = tl.float32
+    else:
+        operand_dtype = kv_cache_ptr.dtype.element_ty
+    work_items = tokens * num_splits * head_tiles
+    for work in range(tl.program_id(0), work_items, tl.num_programs(0)):
+        head_tile = work % head_tiles
+        split = (work // head_tiles) % num_splits
+        token = tl.cast(work // (head_tiles * num_splits), tl.int64)
+        request = tl.load(q_seq_ids_ptr + token * stride_q_seq_ids).to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + request * stride_seq_lens).to(tl.int32)
+        query_position = tl.load(q_positions_ptr + token * stride_q_positions).to(tl.int64)
+        length, keys_per_split = _keys_per_split(seq_len, width, num_splits, BLOCK_N)
+        start = split * keys_per_split
+        end = tl.minimum(start + keys_per_split, length)
+        if start < end:
+            head = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+            head_mask = head < heads
+            q_latent = tl.load(
+                q_latent_ptr + token * stride_q_latent_token + head[:, None] * stride_q_latent_head
+                + latent_cols[None, :] * stride_q_latent_col,
+                mask=head_mask[:, None] & latent_mask[None, :], other=0.0).to(operand_dtype)
+            q_rope = tl.load(
+                q_rope_ptr + token * stride_q_rope_token + head[:, None] * stride_q_rope_head
+                + rope_cols[None, :] * stride_q_rope_col,
+                mask=head_mask[:, None] & rope_mask[None, :], other=0.0).to(operand_dtype)
+            table_row = page_table_ptr + request * stride_table_req
+            key_positions_row = key_positions_ptr + request * stride_key_positions_req
+            # Running softmax in base 2 (scores are pre-scaled by log2 e); the LSE is stored in base e.
+            max_score = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            denominator = tl.zeros([BLOCK_H], tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+            for first_key in range(start, end, BLOCK_N):
+                key = (first_key + key_offsets).to(tl.int64)
+                key_mask = key < end
+                row = tl.load(table_row + key * stride_table_col, mask=key_mask, other=0).to(tl.int64)
+                key_position = tl.load(key_positions_row + key * stride_key_positions_col,
+                                       mask=key_mask, other=0).to(tl.int64)
+                visible = key_mask & (key_position <= query_position)
+                row_ptr = kv_cache_ptr + row * stride_cache_row
+                k_latent = tl.load(row_ptr[:, None] + latent_cols[None, :] * stride_cache_col,
+                                   mask=key_mask[:, None] & latent_mask[None, :], other=0.0).to(operand_dtype)
+                k_rope = tl.load(row_ptr[:, None] + (RANK_DIM + rope_cols)[None, :] * stride_cache_col,
+                                 mask=key_mask[:, None] & rope_mask[None, :], other=0.0).to(operand_dtype)
+                scores = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+                scores = tl.dot(q_latent, tl.trans(k_latent), scores, input_precision=DOT_PRECISION)
+                scores = tl.where(visible[None, :], scores * scale_log2, float("-inf"))
+                new_max = tl.maximum(max_score, tl.max(scores, 1))
+                # While every score so far is -inf, shift by 0 so that no -inf - -inf makes a NaN.
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                rescale = tl.exp2(max_score - shift)
+                probs = tl.exp2(scores - shift[:, None])
+                denominator = denominator * rescale + tl.sum(probs, 1)
+                acc = acc * rescale[:, None] + tl.dot(probs.to(operand_dtype), k_latent, input_precision=DOT_PRECISION)
+                max_score = new_max
+            seen = denominator > 0
+            safe_denominator = tl.where(seen, denominator, 1.0)
+            split_lse = tl.where(seen, (max_score + tl.log2(safe_denominator)) * LN2, float("-inf"))
+            split_out = acc / safe_denominator[:, None]
+            tl.store(split_out_ptr + token * stride_split_out_token + split * stride_split_out_split
+                     + head[:, None].to(tl.int64) * stride_split_out_head + latent_cols[None, :],
+                     split_out, mask=head_mask[:, None] & latent_mask[None, :])
+            tl.store(split_lse_ptr + token * stride_split_lse_token + split * stride_split_lse_split + head,
+                     split_lse, mask=head_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    split_out_ptr, split_lse_ptr, seq_lens_ptr, q_seq_ids_ptr, out_ptr, lse_ptr,
+    tokens, heads, width, num_splits,
+    stride_split_out_token, stride_split_out_split, stride_split_out_head,
+    stride_split_lse_token, stride_split_lse_split,
+    stride_seq_lens, stride_q_seq_ids,
+    stride_out_token, stride_out_head, stride_out_col,
+    stride_lse_token, stride_lse_head,
+    RANK_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK_R)
+    col_mask = cols < RANK_DIM
+    for work in range(tl.program_id(0), tokens * heads, tl.num_programs(0)):
+        head = work % heads
+        token = tl.cast(work // heads, tl.int64)
+        request = tl.load(q_seq_ids_ptr + token * stride_q_seq_ids).to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + request * stride_seq_lens).to(tl.int32)
+        length, keys_per_split = _keys_per_split(seq_len, width, num_splits, BLOCK_N)
+        # Stage 1 wrote only the splits that hold keys; the others are never read.
+        active_splits = tl.where(keys_per_split > 0, tl.cdiv(length, tl.maximum(keys_per_split, 1)), 0)
+        max_lse = tl.full([], float("-inf"), tl.float32)
+        total = tl.zeros([], tl.float32)
+        acc = tl.zeros([BLOCK_R], tl.float32)
+        for split in range(0, active_splits):
+            split_lse = tl.load(split_lse_ptr + token * stride_split_lse_token + split * stride_split_lse_split + head)
+            split_out = tl.load(split_out_ptr + token * stride_split_out_token + split * stride_split_out_split
+                                + head * stride_split_out_head + cols, mask=col_mask, other=0.0)
+            new_max = tl.maximum(max_lse, split_lse)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(max_lse - shift)
+            weight = tl.exp(split_lse - shift)
+            acc = acc * rescale + weight * split_out
+            total = total * rescale + weight
+            max_lse = new_max
+        seen = total > 0
+        out = tl.where(seen, acc / tl.where(seen, total, 1.0), 0.0)
+        lse = tl.where(seen, max_lse + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+        tl.store(out_ptr + token * stride_out_token + head * stride_out_head + cols * stride_out_col,
+                 out.to(out_ptr.dtype.element_ty), mask=col_mask)
+        tl.store(lse_ptr + token * stride_lse_token + head * stride_lse_head, lse)
+
+
+def split_workspace(tokens: int, num_splits: int, heads: int, rank_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partials of every split: out [T, S, H, R] and lse [T, S, H]."""
+    return (torch.empty((tokens, num_splits, heads, rank_dim), dtype=torch.float32, device=device),
+            torch.empty((tokens, num_splits, heads), dtype=torch.float32, device=device))
+
+
+def _check_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions):
+    for name, tensor in (("q_latent", q_latent), ("q_rope", q_rope), ("kv_cache", kv_cache)):
+        check_float(name, tensor)
+    for name, tensor in (("page_table", page_table), ("seq_lens", seq_lens), ("key_positions", key_positions),
+                         ("q_seq_ids", q_seq_ids), ("q_positions", q_positions)):
+        check_index(name, tensor)
+    check_same_device(q_latent=q_latent, q_rope=q_rope, kv_cache=kv_cache, page_table=page_table,
+                      seq_lens=seq_lens, key_positions=key_positions, q_seq_ids=q_seq_ids, q_positions=q_positions)
+    if q_latent.dim() != 3 or q_rope.dim() != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
+        raise ValueError(f"q_latent and q_rope must be [T, H, R] and [T, H, P]; got "
+                         f"{tuple(q_latent.shape)} and {tuple(q_rope.shape)}")
+    tokens, _, rank_dim = q_latent.shape
+    rope_dim = q_rope.shape[2]
+    if kv_cache.dim() != 2 or kv_cache.shape[1] != rank_dim + rope_dim:
+        raise ValueError(f"kv_cache must be [rows, R + P] = [rows, {rank_dim + rope_dim}], got {tuple(kv_cache.shape)}")
+    if page_table.dim() != 2 or key_positions.shape != page_table.shape or seq_lens.shape != page_table.shape[:1]:
+        raise ValueError(f"page_table and key_positions must be [B, L] and seq_lens [B]; got {tuple(page_table.shape)}, "
+                         f"{tuple(key_positions.shape)}, {tuple(seq_lens.shape)}")
+    if q_seq_ids.shape != (tokens,) or q_positions.shape != (tokens,):
+        raise ValueError(f"q_seq_ids and q_positions must be [T] = [{tokens}]; got {tuple(q_seq_ids.shape)}, "
+                         f"{tuple(q_positions.shape)}")
+
+
+def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions,
+                           sm_scale: float, out, lse, tiling: AttentionTiling | None = None, workspace=None) -> None:
+    """`partial_attention` writing into out [T, H, R] and lse [T, H].
+
+    `tiling` overrides the heuristic (benchmarks sweep it); `workspace` is the pair from
+    `split_workspace` for tiling.num_splits, for callers that keep static buffers.
+    """
+    _check_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions)
+    tokens, heads, rank_dim = q_latent.shape
+    rope_dim = q_rope.shape[2]
+    width = page_table.shape[1]
+    if out.shape != q_latent.shape or out.dtype != q_latent.dtype or lse.shape != (tokens, heads) or lse.dtype != torch.float32:
+        raise ValueError(f"out must be {tuple(q_latent.shape)} {q_latent.dtype} and lse {(tokens, heads)} float32; got "
+                         f"{tuple(out.shape)} {out.dtype} and {tuple(lse.shape)} {lse.dtype}")
+    if tokens == 0 or heads == 0:
+        return
+    tiling = tiling or choose_tiling(tokens, heads, width, q_latent.device)
+    head_tiles = triton.cdiv(heads, tiling.block_h)
+    split_out, split_lse = workspace or split_workspace(tokens, tiling.num_splits, heads, rank_dim, q_latent.device)
+    if split_out.shape != (tokens, tiling.num_splits, heads, rank_dim) or split_out.stride(3) != 1 \
+            or split_lse.shape != (tokens, tiling.num_splits, heads) or split_lse.stride(2) != 1:
+        raise ValueError("workspace must be split_workspace(T, num_splits, H, R) for this call")
+    dot_in_fp32 = kv_cache.dtype == torch.float32 or is_interpreted(_attend_splits_kernel)
+    _attend_splits_kernel[grid_for(tokens * tiling.num_splits * head_tiles)](
+        q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, split_out, split_lse,
+        tokens, heads, width, tiling.num_splits, head_tiles, sm_scale / _LN2,
+        q_latent.stride(0), q_latent.stride(1), q_latent.stride(2),
+        q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        page_table.stride(0), page_table.stride(1),
+        seq_lens.stride(0),
+        key_positions.stride(0), key_positions.stride(1),
+        q_seq_ids.stride(0), q_positions.stride(0),
+        split_out.stride(0), split_out.stride(1), split_out.stride(2),
+        split_lse.stride(0), split_lse.stride(1),
+        RANK_DIM=rank_dim, ROPE_DIM=rope_dim,
+        BLOCK_R=block_size(rank_dim), BLOCK_P=block_size(rope_dim), BLOCK_H=tiling.block_h, BLOCK_N=tiling.block_n,
+        DOT_IN_FP32=dot_in_fp32, DOT_PRECISION="ieee" if dot_in_fp32 else None, LN2=_LN2,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )
+    _merge_splits_kernel[grid_for(tokens * heads)](
+        split_out, split_lse, seq_lens, q_seq_ids, out, lse,
+        tokens, heads, width, tiling.num_splits,
+        split_out.stride(0), split_out.stride(1), split_out.stride(2),
+        split_lse.stride(0), split_lse.stride(1),
+        seq_lens.stride(0), q_seq_ids.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        RANK_DIM=rank_dim, BLOCK_R=block_size(rank_dim), BLOCK_N=tiling.block_n,
+        num_warps=4,
+    )
+
+
+def partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions,
+                      sm_scale: float):
+    """Causal MLA attention of each query over its request's rows of `kv_cache`.
+
+    Returns out [T, H, R] in q's dtype and lse [T, H] in fp32 (natural log); a query that sees no
+    key gets out = 0 and lse = -inf.
+    """
+    check_float("q_latent", q_latent)
+    tokens, heads, rank_dim = q_latent.shape
+    out = torch.empty((tokens, heads, rank_dim), dtype=q_latent.dtype, device=q_latent.device)
+    lse = torch.empty((tokens, heads), dtype=torch.float32, device=q_latent.device)
+    partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions,
+                           sm_scale, out, lse)
+    return out, lse

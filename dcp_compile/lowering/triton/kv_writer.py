@@ -1,0 +1,81 @@
+"""Sharded KV writer: each token's [latent | rope] row goes to this rank's shard in one pass.
+
+Matches `reference.kv_write`: location 0 (padding) and locations another rank owns are
+skipped; an owned location `loc` lands on local row (loc // (I*N)) * I + loc % I, the math of
+`runtime.layout` (repeated here because a kernel cannot call Python).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dcp_compile.lowering.triton.launching import block_size, check_float, check_index, check_same_device, grid_for
+from dcp_compile.runtime import layout
+
+
+@triton.jit
+def _kv_write_kernel(
+    kv_cache_ptr, latent_ptr, rope_ptr, loc_ptr,
+    tokens, dcp_rank, dcp_size, interleave,
+    stride_cache_row, stride_cache_col,
+    stride_latent_token, stride_latent_col,
+    stride_rope_token, stride_rope_col,
+    stride_loc,
+    RANK_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    latent_cols = tl.arange(0, BLOCK_R)
+    rope_cols = tl.arange(0, BLOCK_P)
+    latent_mask = latent_cols < RANK_DIM
+    rope_mask = rope_cols < ROPE_DIM
+    for token in range(tl.program_id(0), tokens, tl.num_programs(0)):
+        token_index = tl.cast(token, tl.int64)
+        loc = tl.load(loc_ptr + token_index * stride_loc).to(tl.int64)
+        owned = (loc != 0) & ((loc // interleave) % dcp_size == dcp_rank)
+        if owned:
+            row = (loc // (interleave * dcp_size)) * interleave + loc % interleave
+            row_ptr = kv_cache_ptr + row * stride_cache_row
+            # Through fp32 so every source/cache dtype pair converts with one rounding, as torch's
+            # .to() does.
+            latent = tl.load(latent_ptr + token_index * stride_latent_token + latent_cols * stride_latent_col,
+                             mask=latent_mask).to(tl.float32)
+            rope = tl.load(rope_ptr + token_index * stride_rope_token + rope_cols * stride_rope_col,
+                           mask=rope_mask).to(tl.float32)
+            tl.store(row_ptr + latent_cols * stride_cache_col,
+                     latent.to(kv_cache_ptr.dtype.element_ty), mask=latent_mask)
+            tl.store(row_ptr + (RANK_DIM + rope_cols) * stride_cache_col,
+                     rope.to(kv_cache_ptr.dtype.element_ty), mask=rope_mask)
+
+
+def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, interleave: int = 1) -> None:
+    """Write [latent | rope] for each token whose location this rank owns; skip location 0."""
+    layout.validate(dcp_size, dcp_rank, interleave)
+    check_float("kv_cache", kv_cache)
+    check_float("latent", latent)
+    check_float("rope", rope)
+    check_index("loc", loc)
+    check_same_device(kv_cache=kv_cache, latent=latent, rope=rope, loc=loc)
+    tokens, rank_dim = latent.shape
+    rope_dim = rope.shape[1]
+    if kv_cache.dim() != 2 or kv_cache.shape[1] != rank_dim + rope_dim:
+        raise ValueError(
+            f"kv_cache must be [rows, R + P] = [rows, {rank_dim} + {rope_dim}], got {tuple(kv_cache.shape)}"
+        )
+    if rope.shape[0] != tokens or loc.shape != (tokens,):
+        raise ValueError(
+            f"latent [T, R], rope [T, P] and loc [T] must agree on T; got {tuple(latent.shape)}, "
+            f"{tuple(rope.shape)}, {tuple(loc.shape)}"
+        )
+    if tokens == 0:
+        return
+    _kv_write_kernel[grid_for(tokens)](
+        kv_cache, latent, rope, loc,
+        tokens, dcp_rank, dcp_size, interleave,
+        kv_cache.stride(0), kv_cache.stride(1),
+        latent.stride(0), latent.stride(1),
+        rope.stride(0), rope.stride(1),
+        loc.stride(0),
+        RANK_DIM=rank_dim, ROPE_DIM=rope_dim,
+        BLOCK_R=block_size(rank_dim), BLOCK_P=block_size(rope_dim),
+    )

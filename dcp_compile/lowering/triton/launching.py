@@ -1,0 +1,54 @@
+"""What every launcher in this package shares: dtype checks, grid sizing, block sizes.
+
+Grids follow the rules that let one source run on CUDA and triton-ascend: at most
+MAX_PROGRAMS programs in all (the Ascend limit), one grid axis, kernels loop over their work
+items with a stride of the grid size, and an empty problem returns before any launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+MAX_PROGRAMS = 65535
+SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_float(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in SUPPORTED_FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype}; the Triton kernels support "
+            f"{', '.join(str(d) for d in SUPPORTED_FLOAT_DTYPES)}"
+        )
+
+
+def check_index(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in SUPPORTED_INDEX_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype}; the Triton kernels take indices as "
+            f"{', '.join(str(d) for d in SUPPORTED_INDEX_DTYPES)}"
+        )
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+def grid_for(work_items: int) -> tuple[int]:
+    """A 1-D grid for `work_items` items, capped so that kernels loop when there are more."""
+    return (min(work_items, MAX_PROGRAMS),)
+
+
+def block_size(extent: int, minimum: int = 16) -> int:
+    """Power-of-two block covering `extent`; tl.dot and tl.arange need powers of two >= 16."""
+    return max(minimum, triton.next_power_of_2(extent))
+
+
+def is_interpreted(kernel) -> bool:
+    """Whether `kernel` runs under TRITON_INTERPRET (decided when the kernel was defined)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
