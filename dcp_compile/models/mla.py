@@ -29,14 +29,18 @@ def _all_reduce(x: torch.Tensor, group_name: str | None) -> torch.Tensor:
 
 
 class WeightFactory:
-    """Deterministic full-size weights, sliced for one TP rank."""
+    """Deterministic full-size weights, sliced for one TP rank. On the meta device only shapes
+    are made (graph dumps and pass benchmarks of full-size models allocate nothing)."""
 
     def __init__(self, seed: int, device, dtype):
         self.seed, self.device, self.dtype = seed, device, dtype
 
     def make(self, name: str, shape, fan_in: int, shard_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1):
-        gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = torch.randn(*shape, generator=gen) / math.sqrt(fan_in)
+        if self.device.type == "meta":
+            full = torch.empty(*shape, device="meta")
+        else:
+            gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.randn(*shape, generator=gen) / math.sqrt(fan_in)
         if shard_dim is not None:
             full = full.chunk(tp_size, dim=shard_dim)[tp_rank]
         return nn.Parameter(full.to(device=self.device, dtype=self.dtype).contiguous(), requires_grad=False)
