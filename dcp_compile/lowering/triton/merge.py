@@ -3,18 +3,17 @@
 Matches `reference.merge_partials` (unpack + `merge_lse`): for packed [N, T, H, R + w],
 m = max over shards of lse with an infinite m taken as 0, w_i = exp(lse_i - m), and
 o = sum_i w_i * o_i / sum_i w_i, where a term with w_i == 0 is 0 (a NaN in an empty shard cannot
-leak) and a row with no weight is 0. The LSE words are read as `lse_words` describes.
+leak) and a row with no weight is 0. The LSE words are read as `lse_packing` describes.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from dcp_compile.lowering.torch.reference import lse_words
 from dcp_compile.lowering.triton.launching import block_size, check_float, grid_for
-from dcp_compile.lowering.triton.lse_words import load_lse_words
+from dcp_compile.lowering.triton.lse_packing import load_lse_words
 from dcp_compile.lowering.triton.pack import rows_per_program
 
 

@@ -3,18 +3,17 @@
 Matches `reference.pack_partials`: out [T, N*H, R] and lse [T, N*H] become packed
 [N, T, H, R + w], slice j holding peer j's heads [j*H, (j+1)*H). The empty-shard mask (an
 infinite LSE gives out = 0) is fused in, so a NaN in an empty shard's output never leaves the
-rank. The LSE words are written as `lse_words` describes.
+rank. The LSE words are written as `lse_packing` describes.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from dcp_compile.lowering.torch.reference import lse_words
 from dcp_compile.lowering.triton.launching import block_size, check_float, check_same_device, grid_for
-from dcp_compile.lowering.triton.lse_words import store_lse_words
+from dcp_compile.lowering.triton.lse_packing import store_lse_words
 
 # Rows per program are chosen so one program moves about this many elements.
 ELEMENTS_PER_PROGRAM = 4096
