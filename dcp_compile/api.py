@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dcp_compile import cost_model
 from dcp_compile.backend import DCPBackend
 from dcp_compile.config import DCPConfig
 from dcp_compile.passes.manager import check_pass_names
@@ -17,24 +19,88 @@ from dcp_compile.runtime.kv_pool import CapacityReport, MLAKVPool
 
 @dataclass
 class DCPState:
-    """What apply() did to a model: its config, layout, KV pool and per-graph pass reports."""
+    """What apply() did to a model: config, layout, KV pool, pass reports, strategy decisions."""
 
     config: DCPConfig
     parallel: parallel.ParallelState
-    backend: DCPBackend
     kv_pool: MLAKVPool
+    backends: dict[str, DCPBackend]
+    strategy_counts: collections.Counter = field(default_factory=collections.Counter)
+    last_decision: cost_model.Decision | None = None
 
     @property
     def capacity(self) -> CapacityReport:
         return self.kv_pool.report()
 
+    @property
+    def reports(self):
+        return [report for backend in self.backends.values() for report in backend.reports]
+
     def pass_summary(self) -> dict[str, int]:
         """Sites rewritten per pass, summed over every graph captured so far."""
         total: dict[str, int] = {}
-        for report in self.backend.reports:
+        for report in self.reports:
             for name, sites in report.summary().items():
                 total[name] = total.get(name, 0) + sites
         return total
+
+
+RECOMPILE_LIMIT = 256
+"""Graphs are static-shape (one per batch shape and strategy), so allow many per model."""
+
+
+def _raise_recompile_limit() -> None:
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(config, name) and getattr(config, name) < RECOMPILE_LIMIT:
+            setattr(config, name, RECOMPILE_LIMIT)
+
+
+class DCPModel(nn.Module):
+    """The compiled model. Each call picks the attention strategy for its batch (forced, or by
+    the cost model) and runs that strategy's compiled graph."""
+
+    def __init__(self, model: nn.Module, state: DCPState):
+        super().__init__()
+        _raise_recompile_limit()
+        self.model = model
+        self.dcp_state = state
+        self._compiled = {name: torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+                          for name, backend in state.backends.items()}
+
+    def forward(self, *args, **kwargs):
+        decision = self._decide(args, kwargs)
+        self.dcp_state.strategy_counts[decision.strategy] += 1
+        self.dcp_state.last_decision = decision
+        return self._compiled[decision.strategy](*args, **kwargs)
+
+    def _decide(self, args, kwargs) -> cost_model.Decision:
+        state = self.dcp_state
+        strategy = state.config.attention_strategy
+        if state.config.dcp_size == 1:
+            return cost_model.Decision("gather-q", True, {}, "dcp_size 1: attention is local")
+        if strategy != "auto":
+            return cost_model.Decision(strategy, True, {}, f"forced {strategy}")
+        metadata = getattr(self.model, "attention_metadata", None)
+        heads = getattr(self.model, "num_local_heads", None)
+        if metadata is None or heads is None:
+            return cost_model.Decision("gather-q", True, {}, "the model exposes no attention_metadata / num_local_heads")
+        meta = metadata(*args, **kwargs)
+        lens = meta["seq_lens"][meta["q_seq_ids"]]
+        visible = torch.minimum(meta["q_positions"] + 1, lens).clamp_min(0)
+        pool = state.kv_pool
+        return cost_model.choose(
+            "auto",
+            query_tokens=int(meta["q_seq_ids"].numel()),
+            rows=int(meta["req_to_token"].shape[0]),
+            width=int(meta["req_to_token"].shape[1]),
+            visible_keys=int(visible.sum()),
+            heads=heads,
+            dcp_size=state.config.dcp_size,
+            kv_lora_rank=pool.kv_lora_rank,
+            rope_dim=pool.rope_dim,
+            element_bytes=torch.empty((), dtype=pool.dtype).element_size(),
+        )
 
 
 def _check_model(model: nn.Module) -> tuple[MLAKVPool, parallel.ParallelState]:
@@ -52,14 +118,13 @@ def _check_model(model: nn.Module) -> tuple[MLAKVPool, parallel.ParallelState]:
 
 
 def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = None, kv_keep: str = "memory",
-          **config_fields) -> nn.Module:
+          **config_fields) -> DCPModel:
     """Shard `model`'s latent KV cache over `dcp_size` ranks of its TP group and compile it.
 
     Collective: call on every rank. Call before any KV is written (the pool is reallocated).
     kv_keep='memory' keeps the rows per rank and grows the logical capacity N-fold;
     kv_keep='capacity' keeps the logical capacity and shrinks the rows. With dcp_size=1 the
     result is the plain compiled model, the baseline every DCP run is compared with.
-    Returns the compiled module; `dcp_compile.state(result)` tells what was done.
     """
     config = config.replace(dcp_size=dcp_size, **config_fields) if config else DCPConfig(dcp_size=dcp_size, **config_fields)
     check_pass_names(config.disabled_passes)
@@ -70,15 +135,13 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
         raise RuntimeError(f"dcp_size {config.dcp_size} needs torch.distributed initialised with >= {config.dcp_size} ranks")
     layout = parallel.build(current.tp_size, config.dcp_size)
     pool.reshard(layout.dcp_size, layout.dcp_rank, config.interleave, kv_keep)
-    backend = DCPBackend(config, layout)
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
-    model._dcp_state = DCPState(config, layout, backend, pool)
-    return compiled
+    strategies = cost_model.STRATEGIES if config.dcp_size > 1 else ("gather-q",)
+    backends = {name: DCPBackend(config, layout, name) for name in strategies}
+    return DCPModel(model, DCPState(config, layout, pool, backends))
 
 
 def state(compiled: nn.Module) -> DCPState:
     """The DCPState of a module returned by apply()."""
-    inner = getattr(compiled, "_orig_mod", compiled)
-    if not hasattr(inner, "_dcp_state"):
+    if not isinstance(compiled, DCPModel):
         raise ValueError("this module was not produced by dcp_compile.apply")
-    return inner._dcp_state
+    return compiled.dcp_state

@@ -16,23 +16,27 @@ from dcp_compile.runtime.parallel import ParallelState
 log = logging.getLogger("dcp_compile")
 
 
-def pass_config(config: DCPConfig, parallel: ParallelState) -> PassConfig:
+def pass_config(config: DCPConfig, parallel: ParallelState, strategy: str) -> PassConfig:
     return PassConfig(
         dcp_size=config.dcp_size,
         dcp_rank=parallel.dcp_rank,
         interleave=config.interleave,
         dcp_group_name=parallel.dcp_group_name,
         debug_checks=config.debug_checks,
+        attention_strategy=strategy,
     )
 
 
 class DCPBackend:
-    """A torch.compile backend. Keeps one PassReport per captured graph in `reports`."""
+    """A torch.compile backend for one attention strategy. Keeps one PassReport per captured
+    graph in `reports`."""
 
-    def __init__(self, config: DCPConfig, parallel: ParallelState):
-        self.config = config
+    def __init__(self, config: DCPConfig, parallel: ParallelState, strategy: str = "gather-q"):
+        self.config, self.strategy = config, strategy
         dump_dir = config.dump_dir or os.environ.get("DCP_COMPILE_DUMP") or None
-        self.manager = PassManager(pass_config(config, parallel), config.disabled_passes, dump_dir)
+        if dump_dir and config.dcp_size > 1:
+            dump_dir = os.path.join(dump_dir, strategy)
+        self.manager = PassManager(pass_config(config, parallel, strategy), config.disabled_passes, dump_dir)
         self.reports: list[PassReport] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs):

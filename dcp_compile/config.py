@@ -23,8 +23,11 @@ class DCPConfig:
     kernels: str = "auto"
     """'torch' reference kernels, 'triton' kernels, or 'auto' (triton on CUDA, torch elsewhere)."""
 
+    attention_strategy: str = "auto"
+    """'gather-q', 'gather-kv', or 'auto': the cost model picks per batch (dcp_compile.cost_model)."""
+
     debug_checks: bool = False
-    """Validate write locations against the pool before every KV write (costs a host sync)."""
+    """Validate KV write locations and query positions before use (costs host syncs)."""
 
     disabled_passes: tuple[str, ...] = ()
     """Pass names the pass manager skips, for debugging."""
@@ -41,6 +44,8 @@ class DCPConfig:
             raise ValueError(f"inner_compile must be one of {INNER_COMPILERS}, got {self.inner_compile!r}")
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
+        if self.attention_strategy not in ("auto", "gather-q", "gather-kv"):
+            raise ValueError(f"attention_strategy must be 'auto', 'gather-q' or 'gather-kv', got {self.attention_strategy!r}")
         object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
 
     def replace(self, **changes) -> "DCPConfig":

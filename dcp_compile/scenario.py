@@ -2,7 +2,12 @@
 
 Used by `dcp-compile demo` and the distributed tests. On every rank: build the reference model
 twice with one seed (dcp_size=1 and dcp_size=N, same TP), prefill B requests of mixed lengths
-(plus padded rows that write to location 0), then run greedy decode steps on both in lockstep.
+(whole, or in chunks of C tokens: extend over a sharded prefix), then run decode or verify steps on
+both in lockstep. Every batch carries padded rows that write to location 0.
+
+Verify uses a scripted draft model: the drafts and how many of them are accepted are drawn from
+the seed, identically for both models, so accept/reject and the truncation that follows are
+exercised with every length from 0 to k-1 accepted drafts.
 """
 
 from __future__ import annotations
@@ -12,16 +17,20 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dcp_compile import api
+from dcp_compile import api, cost_model
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import layout, parallel
-from dcp_compile.runtime.batch import RequestTable
+from dcp_compile.runtime.batch import RequestTable, check_draft_len
 from dcp_compile.runtime.launch import spawn
+
+MODES = ("decode", "verify", "extend")
+TOLERANCE = 1e-5
 
 
 @dataclass(frozen=True)
 class Scenario:
+    mode: str = "decode"
     dcp_size: int = 2
     tp_size: int = 2
     batch: int = 4
@@ -31,16 +40,39 @@ class Scenario:
     model: str = "tiny"
     layers: int | None = None
     interleave: int = 1
+    page_size: int | None = None
+    """Defaults to the interleave size (page-interleaved when I > 1)."""
     pad_rows: int = 1
     kv_rows: int = 4096
     debug_checks: bool = True
+    draft_len: int = 7
+    chunk: int | None = None
+    """Extend mode: prompt tokens fed per request per step (None: whole prompts at once)."""
+    attention_strategy: str = "auto"
+    shared_prefix: int = 0
+    """Request 1 shares request 0's first tokens (their page-table rows share locations)."""
 
     def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {list(MODES)}")
         if self.batch < 1 or self.steps < 0 or self.pad_rows < 0:
             raise ValueError("batch must be >= 1, steps and pad_rows >= 0")
         if not self.contexts or min(self.contexts) < 1:
             raise ValueError(f"every context length must be >= 1, got {self.contexts}")
+        if self.mode == "verify":
+            check_draft_len(self.draft_len)
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+        cost_model.check_strategy(self.attention_strategy)
+        if self.shared_prefix:
+            lengths = self.lengths
+            if self.batch < 2 or min(lengths[:2]) < self.shared_prefix or self.shared_prefix % self.pages:
+                raise ValueError("shared_prefix needs 2 requests at least that long, and whole pages")
         parallel.validate_sizes(self.tp_size, self.dcp_size, self.tp_size)
+
+    @property
+    def pages(self) -> int:
+        return self.page_size or self.interleave
 
     @property
     def lengths(self) -> list[int]:
@@ -53,25 +85,66 @@ class Scenario:
 
 def _prompts(scenario: Scenario, vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(scenario.seed)
-    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in scenario.lengths]
+    prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in scenario.lengths]
+    if scenario.shared_prefix:
+        prompts[1][: scenario.shared_prefix] = prompts[0][: scenario.shared_prefix]
+    return prompts
 
 
-def _run_model(model, scenario: Scenario, prompts):
-    """Prefill, then greedy decode; returns (logits per step, tokens per request, table)."""
-    max_context = max(scenario.lengths) + scenario.steps + 1
-    table = RequestTable(scenario.batch, max_context, scenario.kv_rows)
-    requests = list(range(scenario.batch))
-    logits, tokens = [], [[] for _ in requests]
-    step_input = prompts
-    for _ in range(scenario.steps + 1):
-        batch = table.extend_batch(requests, step_input, pad_rows=scenario.pad_rows)
-        out = model(*batch.args())
-        logits.append(out)
-        nxt = out[: scenario.batch].argmax(-1).tolist()
-        for seq, tok in zip(tokens, nxt):
-            seq.append(tok)
-        step_input = [[t] for t in nxt]
-    return logits, tokens, table
+class Driver:
+    """Feeds one model the scenario's schedule; records every logits tensor and generated token."""
+
+    def __init__(self, model, scenario: Scenario, vocab: int):
+        self.model, self.scenario, self.vocab = model, scenario, vocab
+        max_context = max(scenario.lengths) + scenario.steps * max(scenario.draft_len, 1) + 1
+        self.table = RequestTable(scenario.batch, max_context, scenario.kv_rows, scenario.pages)
+        self.logits: list[torch.Tensor] = []
+        self.generated: list[list[int]] = [[] for _ in range(scenario.batch)]
+
+    def _step(self, requests, tokens, all_logits=False):
+        batch = self.table.extend_batch(requests, tokens, pad_rows=self.scenario.pad_rows, all_logits=all_logits)
+        out = self.model(*batch.args())
+        self.logits.append(out)
+        return out
+
+    def prefill(self, prompts):
+        s = self.scenario
+        pending = {b: list(p) for b, p in enumerate(prompts)}
+        if s.shared_prefix:
+            held = pending.pop(1)
+        chunk = s.chunk if s.mode == "extend" and s.chunk else max(s.lengths)
+        while pending:
+            requests = sorted(pending)
+            feed = [pending[b][:chunk] for b in requests]
+            out = self._step(requests, feed)
+            for row, b in enumerate(requests):
+                pending[b] = pending[b][chunk:]
+                if not pending[b]:
+                    del pending[b]
+                    self.generated[b].append(int(out[row].argmax()))
+            if s.shared_prefix and 0 not in pending and 1 not in pending and held is not None:
+                self.table.fork(0, 1, s.shared_prefix)
+                pending[1], held = held[s.shared_prefix :], None
+
+    def decode(self, step: int):
+        requests = list(range(self.scenario.batch))
+        out = self._step(requests, [[seq[-1]] for seq in self.generated])
+        for b in requests:
+            self.generated[b].append(int(out[b].argmax()))
+
+    def verify(self, step: int):
+        """k tokens per request: the last token and k-1 drafts; keep the scripted accepted ones."""
+        s, k = self.scenario, self.scenario.draft_len
+        gen = torch.Generator().manual_seed(s.seed * 7919 + step)
+        drafts = torch.randint(1, self.vocab, (s.batch, k - 1), generator=gen).tolist()
+        accepted = torch.randint(0, k, (s.batch,), generator=gen).tolist()
+        requests = list(range(s.batch))
+        out = self._step(requests, [[seq[-1]] + d for seq, d in zip(self.generated, drafts)], all_logits=True)
+        for b in requests:
+            m = accepted[b]
+            kept_len = int(self.table.seq_lens[b]) - k + 1 + m
+            self.table.truncate(b, kept_len)
+            self.generated[b].extend(drafts[b][:m] + [int(out[b * k + m].argmax())])
 
 
 def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
@@ -81,31 +154,36 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
     prompts = _prompts(scenario, cfg.vocab_size)
 
     def make(dcp_size: int):
-        model = MLAModel(cfg, kv_capacity=scenario.kv_rows, max_requests=scenario.batch, par=tp, seed=scenario.seed)
+        model = MLAModel(cfg, kv_capacity=scenario.kv_rows, max_requests=scenario.batch, par=tp,
+                         seed=scenario.seed, page_size=scenario.pages)
         return api.apply(model, dcp_size, interleave=scenario.interleave if dcp_size > 1 else 1,
-                         debug_checks=scenario.debug_checks)
+                         debug_checks=scenario.debug_checks, attention_strategy=scenario.attention_strategy)
 
     start = time.perf_counter()
-    baseline, sharded = make(1), make(scenario.dcp_size)
-    base_logits, base_tokens, _ = _run_model(baseline, scenario, prompts)
-    dcp_logits, dcp_tokens, table = _run_model(sharded, scenario, prompts)
-    state = api.state(sharded)
-    used = table.req_to_token[table.req_to_token != layout.PADDING_LOC]
+    drivers = [Driver(make(1), scenario, cfg.vocab_size), Driver(make(scenario.dcp_size), scenario, cfg.vocab_size)]
+    for driver in drivers:
+        driver.prefill(prompts)
+    for step in range(scenario.steps):
+        for driver in drivers:
+            getattr(driver, "verify" if scenario.mode == "verify" else "decode")(step)
+    base, dcp = drivers
+    state = api.state(dcp.model)
+    used = dcp.table.req_to_token[dcp.table.req_to_token != layout.PADDING_LOC].unique()
     owners = layout.owner(used, scenario.dcp_size, scenario.interleave)
-    max_abs_diff = max((a - b).abs().max().item() for a, b in zip(base_logits, dcp_logits))
-    finite = all(bool(torch.isfinite(x).all()) for x in base_logits + dcp_logits)
+    decision = state.last_decision
     return {
         "rank": rank,
-        "dcp_rank": state.parallel.dcp_rank,
-        "tokens_match": base_tokens == dcp_tokens,
-        "max_abs_diff": max_abs_diff,
-        "finite": finite,
+        "tokens_match": base.generated == dcp.generated,
+        "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(base.logits, dcp.logits)),
+        "finite": all(bool(torch.isfinite(x).all()) for x in base.logits + dcp.logits),
         "tokens_stored": int((owners == state.parallel.dcp_rank).sum()),
         "tokens_total": int(used.numel()),
         "capacity": state.capacity.as_dict(),
         "pass_summary": state.pass_summary(),
-        "graphs": len(state.backend.reports),
-        "tokens": dcp_tokens,
+        "graphs": len(state.reports),
+        "strategy_counts": dict(state.strategy_counts),
+        "last_strategy_reason": decision.reason if decision else None,
+        "tokens": dcp.generated,
         "seconds": time.perf_counter() - start,
     }
 
@@ -114,7 +192,9 @@ def compare(scenario: Scenario) -> dict:
     """Spawn tp_size CPU ranks (gloo), run the comparison, and summarise all ranks."""
     ranks = spawn(run_on_rank, scenario.tp_size, scenario)
     head = ranks[0]
+    max_abs_diff = max(r["max_abs_diff"] for r in ranks)
     return {
+        "mode": scenario.mode,
         "dcp_size": scenario.dcp_size,
         "tp_size": scenario.tp_size,
         "interleave": scenario.interleave,
@@ -122,7 +202,8 @@ def compare(scenario: Scenario) -> dict:
         "contexts": scenario.lengths,
         "steps": scenario.steps,
         "tokens_match": all(r["tokens_match"] for r in ranks),
-        "max_abs_diff": max(r["max_abs_diff"] for r in ranks),
+        "outputs_match": max_abs_diff < TOLERANCE,
+        "max_abs_diff": max_abs_diff,
         "finite": all(r["finite"] for r in ranks),
         "kv_capacity_ratio": head["capacity"]["capacity_ratio"],
         "kv_rows_per_rank": head["capacity"]["rows_per_rank"],
@@ -131,6 +212,8 @@ def compare(scenario: Scenario) -> dict:
         "tokens_total": head["tokens_total"],
         "pass_summary": head["pass_summary"],
         "graphs_captured": head["graphs"],
+        "strategy_counts": head["strategy_counts"],
+        "last_strategy_reason": head["last_strategy_reason"],
         "tokens": head["tokens"],
         "seconds": max(r["seconds"] for r in ranks),
         "scenario": asdict(scenario),

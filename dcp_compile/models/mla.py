@@ -183,13 +183,13 @@ class MLAModel(nn.Module):
 
     def __init__(self, cfg: MLAModelConfig, kv_capacity: int, max_requests: int = 16,
                  par: ParallelState | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0):
+                 device: torch.device | str = "cpu", seed: int = 0, page_size: int = 1):
         super().__init__()
         check_cache_dtype(dtype)
         par = par or ParallelState()
         self.cfg, self.parallel = cfg, par
         weights = WeightFactory(seed, torch.device(device), dtype)
-        self.kv_pool = MLAKVPool(max(cfg.num_mla_layers, 1), kv_capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device) if cfg.num_mla_layers else None
+        self.kv_pool = MLAKVPool(cfg.num_mla_layers, kv_capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device, page_size) if cfg.num_mla_layers else None
         self.embed = weights.make("embed", (cfg.vocab_size, cfg.hidden_size), 1)
         mla_indices = [sum(t == "mla" for t in cfg.layer_types[:i]) for i in range(cfg.num_layers)]
         self.layers = nn.ModuleList(
@@ -197,6 +197,15 @@ class MLAModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weights.device, dtype)
         self.lm_head = weights.make("lm_head", (cfg.vocab_size, cfg.hidden_size), cfg.hidden_size)
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.cfg.num_heads // self.parallel.tp_size
+
+    @staticmethod
+    def attention_metadata(input_ids, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots, logits_index) -> dict:
+        """The canonical attention metadata of a call, for dcp_compile's per-batch cost model."""
+        return dict(req_to_token=req_to_token, seq_lens=seq_lens, q_seq_ids=q_seq_ids, q_positions=positions)
 
     def forward(self, input_ids, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots, logits_index):
         h = F.embedding(input_ids, self.embed)

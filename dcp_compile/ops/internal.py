@@ -11,6 +11,11 @@ mla_partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_posi
 pack_partials(out [T, N*H, R], lse [T, N*H], N) -> [N, T, H, R + w]   (one all-to-all buffer)
 merge_partials(packed [N, T, H, R + w], R) -> [T, H, R]               (LSE merge over shards)
 check_locations(loc, num_rows, N, I) -> loc copy; raises on a location outside the pool.
+check_metadata(req_to_token, seq_lens, q_seq_ids, q_positions) -> q_positions copy; raises on
+    positions inconsistent with the sequence lengths.
+gather_local_rows(kv_cache, local_req_to_token, local_seq_lens) -> [B, L, D]   (extend, gather-kv)
+gathered_kv_metadata(req_to_token, seq_lens, N, I) -> (page_table [B, N*L], seq_lens, key_positions)
+    A page table over the all-gathered rows of every rank, for the gather-kv strategy.
 """
 
 from __future__ import annotations
@@ -108,3 +113,39 @@ def check_locations(loc: torch.Tensor, num_rows: int, dcp_size: int, interleave:
 @check_locations.register_fake
 def _(loc, num_rows, dcp_size, interleave):
     return loc.new_empty(loc.shape)
+
+
+@custom_op("dcp::gather_local_rows", mutates_args=())
+def gather_local_rows(kv_cache: torch.Tensor, local_req_to_token: torch.Tensor, local_seq_lens: torch.Tensor) -> torch.Tensor:
+    return reference.gather_local_rows(kv_cache, local_req_to_token, local_seq_lens)
+
+
+@gather_local_rows.register_fake
+def _(kv_cache, local_req_to_token, local_seq_lens):
+    batch, width = local_req_to_token.shape
+    return kv_cache.new_empty((batch, width, kv_cache.shape[-1]))
+
+
+@custom_op("dcp::gathered_kv_metadata", mutates_args=())
+def gathered_kv_metadata(
+    req_to_token: torch.Tensor, seq_lens: torch.Tensor, dcp_size: int, interleave: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return reference.gathered_kv_metadata(req_to_token, seq_lens, dcp_size, interleave)
+
+
+@gathered_kv_metadata.register_fake
+def _(req_to_token, seq_lens, dcp_size, interleave):
+    batch, width = req_to_token.shape
+    wide = req_to_token.new_empty((batch, dcp_size * width))
+    return wide, seq_lens.new_empty(seq_lens.shape), req_to_token.new_empty((batch, dcp_size * width))
+
+
+@custom_op("dcp::check_metadata", mutates_args=())
+def check_metadata(req_to_token: torch.Tensor, seq_lens: torch.Tensor, q_seq_ids: torch.Tensor, q_positions: torch.Tensor) -> torch.Tensor:
+    reference.check_attention_metadata(req_to_token, seq_lens, q_seq_ids, q_positions)
+    return q_positions.clone()
+
+
+@check_metadata.register_fake
+def _(req_to_token, seq_lens, q_seq_ids, q_positions):
+    return q_positions.new_empty(q_positions.shape)

@@ -16,6 +16,9 @@ class PassConfig:
     interleave: int = 1
     dcp_group_name: str | None = None
     debug_checks: bool = False
+    attention_strategy: str = "gather-q"
+    """How attention reaches the sharded KV: 'gather-q' (Q all-gather, partial attention, LSE
+    merge) or 'gather-kv' (all-gather this batch's KV rows, attend with local heads)."""
 
 
 class GraphPass:

@@ -14,8 +14,11 @@ from pathlib import Path
 
 import torch.fx as fx
 
+from dcp_compile.debug.dump import TextDump
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.check_locations import CheckLocations
+from dcp_compile.passes.check_metadata import CheckMetadata
+from dcp_compile.passes.gather_kv_attention import GatherKVAttention
 from dcp_compile.passes.cleanup import Cleanup
 from dcp_compile.passes.graph_utils import normalize_meta, op_counts
 from dcp_compile.passes.local_metadata import LocalMetadata
@@ -27,7 +30,8 @@ log = logging.getLogger("dcp_compile.passes")
 
 
 def default_passes() -> list[GraphPass]:
-    return [CheckLocations(), ShardKVWrite(), LocalMetadata(), RewriteAttention(), Cleanup(), Verify()]
+    return [CheckLocations(), CheckMetadata(), ShardKVWrite(), LocalMetadata(), RewriteAttention(),
+            GatherKVAttention(), Cleanup(), Verify()]
 
 
 PASS_NAMES = tuple(p.name for p in default_passes())
@@ -72,7 +76,9 @@ class PassManager:
     def __init__(self, config: PassConfig, disabled=(), dump_dir: str | Path | None = None,
                  passes: list[GraphPass] | None = None, observers=()):
         """observers: callables observer(graph_index, order, pass_name, when, gm), called with
-        when = 'before' and 'after' around every pass (dumps and test harnesses use them)."""
+        when = 'before' and 'after' around every pass (dumps and test harnesses use them); an
+        observer with a `pipeline_done(graph_index, report)` method also gets the PassReport.
+        dump_dir adds a dcp_compile.debug.dump.TextDump writing there."""
         check_pass_names(disabled)
         self.config, self.disabled = config, tuple(disabled)
         self.passes = passes if passes is not None else default_passes()
@@ -100,25 +106,13 @@ class PassManager:
             log.info("pass %-18s ran=%s sites=%d nodes %d -> %d in %.2f ms", record.name, ran, sites,
                      record.nodes_before, record.nodes_after, elapsed)
             records.append(record)
-        return PassReport(records)
+        report = PassReport(records)
+        for observer in self.observers:
+            if hasattr(observer, "pipeline_done"):
+                observer.pipeline_done(graph_index, report)
+        return report
 
     def _notify(self, graph_index: int, order: int, name: str, when: str, gm: fx.GraphModule) -> None:
         for observer in self.observers:
             observer(graph_index, order, name, when, gm)
 
-
-def readable(gm: fx.GraphModule) -> str:
-    """FX code with shapes and dtypes."""
-    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
-
-
-class TextDump:
-    """Writes DIR/graphNN/OO-pass.{before,after}.py for every pass."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-
-    def __call__(self, graph_index: int, order: int, name: str, when: str, gm: fx.GraphModule) -> None:
-        folder = self.folder / f"graph{graph_index:02d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{order:02d}-{name}.{when}.py").write_text(readable(gm))

@@ -31,9 +31,9 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-def _group_name(config: PassConfig) -> str:
+def group_name(config: PassConfig) -> str:
     if config.dcp_group_name is None:
-        raise RuntimeError("rewrite_attention needs a DCP process group name when dcp_size > 1")
+        raise RuntimeError("DCP attention rewrites need a DCP process group name when dcp_size > 1")
     return config.dcp_group_name
 
 
@@ -41,11 +41,11 @@ class RewriteAttention(GraphPass):
     name = "rewrite_attention"
 
     def applies(self, config: PassConfig) -> bool:
-        return config.dcp_size > 1
+        return config.dcp_size > 1 and config.attention_strategy == "gather-q"
 
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         graph, n = gm.graph, config.dcp_size
-        group = _group_name(config)
+        group = group_name(config)
         metadata = sites.find_local_metadata(graph)
         attention = sites.find_attention_sites(graph)
         for site in attention:

@@ -16,6 +16,9 @@ SHARDED_KV_WRITE = torch.ops.dcp.sharded_kv_write.default
 LOCAL_METADATA = torch.ops.dcp.local_metadata.default
 PARTIAL_ATTENTION = torch.ops.dcp.mla_partial_attention.default
 CHECK_LOCATIONS = torch.ops.dcp.check_locations.default
+CHECK_METADATA = torch.ops.dcp.check_metadata.default
+GATHER_LOCAL_ROWS = torch.ops.dcp.gather_local_rows.default
+GATHERED_KV_METADATA = torch.ops.dcp.gathered_kv_metadata.default
 
 
 @dataclass

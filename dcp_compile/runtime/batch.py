@@ -38,41 +38,111 @@ class ForwardBatch:
         return ForwardBatch(*(t.to(device) for t in self.args()))
 
 
-class RequestTable:
-    """Requests' page-table rows and a free list of KV locations (location 0 is reserved)."""
+MAX_DRAFT_LEN = 16
 
-    def __init__(self, max_requests: int, max_context: int, capacity: int):
-        self.max_context = max_context
-        self.capacity = capacity
+
+def check_draft_len(k: int) -> None:
+    if not 1 <= k <= MAX_DRAFT_LEN:
+        raise ValueError(f"verify length k must be in [1, {MAX_DRAFT_LEN}], got {k}")
+
+
+class RequestTable:
+    """Requests' page-table rows and a page allocator over the KV pool's logical locations.
+
+    Pages are `page_size` consecutive locations; page 0 holds the reserved location 0 and is
+    never handed out. A page may be shared by several requests (prefix caching): it returns to
+    the free list when its last user lets go.
+    """
+
+    def __init__(self, max_requests: int, max_context: int, capacity: int, page_size: int = 1):
+        if page_size < 1 or capacity % page_size:
+            raise ValueError(f"page_size must be >= 1 and divide the capacity {capacity}, got {page_size}")
+        self.max_context, self.capacity, self.page_size = max_context, capacity, page_size
         self.req_to_token = torch.zeros(max_requests, max_context, dtype=torch.int64)
         self.seq_lens = torch.zeros(max_requests, dtype=torch.int64)
-        self.free_locations = list(range(capacity - 1, layout.PADDING_LOC, -1))
+        self.pages: list[list[int]] = [[] for _ in range(max_requests)]
+        self.page_users: dict[int, int] = {}
+        self.free_pages = list(range(capacity // page_size - 1, 0, -1))
 
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self.free_locations):
-            raise MemoryError(f"KV pool exhausted: asked for {count} locations, {len(self.free_locations)} free")
-        return [self.free_locations.pop() for _ in range(count)]
+    def _take_page(self) -> int:
+        if not self.free_pages:
+            raise MemoryError(f"KV pool exhausted: all {self.capacity // self.page_size - 1} pages are in use")
+        page = self.free_pages.pop()
+        self.page_users[page] = 1
+        return page
+
+    def _release_page(self, page: int) -> None:
+        self.page_users[page] -= 1
+        if self.page_users[page] == 0:
+            del self.page_users[page]
+            self.free_pages.append(page)
+
+    def free_locations(self) -> int:
+        return len(self.free_pages) * self.page_size
 
     def append(self, request: int, count: int) -> torch.Tensor:
         """Give `request` `count` new tokens; return their locations."""
         start = int(self.seq_lens[request])
-        if start + count > self.max_context:
-            raise ValueError(f"request {request} would reach {start + count} tokens, max_context is {self.max_context}")
-        locs = torch.tensor(self.allocate(count), dtype=torch.int64)
-        self.req_to_token[request, start : start + count] = locs
-        self.seq_lens[request] = start + count
+        end = start + count
+        if end > self.max_context:
+            raise ValueError(f"request {request} would reach {end} tokens, max_context is {self.max_context}")
+        pages_needed = -(-end // self.page_size) - len(self.pages[request])
+        if pages_needed * self.page_size > self.free_locations():
+            raise MemoryError(
+                f"a chunk of {count} tokens overflows the KV pool: request {request} needs {pages_needed} "
+                f"more pages of {self.page_size}, {len(self.free_pages)} free"
+            )
+        if start % self.page_size and self.page_users.get(self.pages[request][-1], 0) > 1:
+            raise ValueError(f"request {request} would append into a shared page; fork at a page boundary")
+        for _ in range(pages_needed):
+            self.pages[request].append(self._take_page())
+        positions = torch.arange(start, end)
+        pages = torch.tensor(self.pages[request], dtype=torch.int64)
+        locs = pages[positions // self.page_size] * self.page_size + positions % self.page_size
+        self.req_to_token[request, start:end] = locs
+        self.seq_lens[request] = end
         return locs
 
-    def extend_batch(self, requests: list[int], tokens: list[list[int]], pad_rows: int = 0) -> ForwardBatch:
-        """A batch that appends tokens[i] to requests[i] (prefill, extend, decode or verify)."""
+    def truncate(self, request: int, length: int) -> None:
+        """Keep the first `length` tokens (e.g. the accepted drafts); release the rest."""
+        if not 0 <= length <= int(self.seq_lens[request]):
+            raise ValueError(f"cannot truncate request {request} of {int(self.seq_lens[request])} tokens to {length}")
+        keep_pages = -(-length // self.page_size)
+        for page in self.pages[request][keep_pages:]:
+            self._release_page(page)
+        del self.pages[request][keep_pages:]
+        self.req_to_token[request, length:] = 0
+        self.seq_lens[request] = length
+
+    def fork(self, source: int, target: int, prefix_len: int) -> None:
+        """Make empty request `target` share the first `prefix_len` tokens of `source`."""
+        if prefix_len % self.page_size or prefix_len > int(self.seq_lens[source]):
+            raise ValueError(f"a shared prefix must be whole pages of {self.page_size} within the source, got {prefix_len}")
+        if int(self.seq_lens[target]):
+            raise ValueError(f"request {target} is not empty")
+        shared = self.pages[source][: prefix_len // self.page_size]
+        for page in shared:
+            self.page_users[page] += 1
+        self.pages[target] = list(shared)
+        self.req_to_token[target, :prefix_len] = self.req_to_token[source, :prefix_len]
+        self.seq_lens[target] = prefix_len
+
+    def extend_batch(self, requests: list[int], tokens: list[list[int]], pad_rows: int = 0,
+                     all_logits: bool = False) -> ForwardBatch:
+        """A batch that appends tokens[i] to requests[i] (prefill, extend, decode or verify).
+
+        Logits come for each request's last token, or for every token with all_logits (verify).
+        Each padded row is one query token that writes to location 0 and sees no key.
+        """
         ids, positions, q_seq_ids, out_loc, logits_index = [], [], [], [], []
         for row, (request, new_tokens) in enumerate(zip(requests, tokens)):
             start = int(self.seq_lens[request])
             out_loc.append(self.append(request, len(new_tokens)))
+            first = len(ids)
             ids.extend(new_tokens)
             positions.extend(range(start, start + len(new_tokens)))
             q_seq_ids.extend([row] * len(new_tokens))
-            logits_index.append(len(ids) - 1)
+            logits_index.extend(range(first, len(ids)) if all_logits else [len(ids) - 1])
         rows = len(requests) + pad_rows
         req_to_token = torch.zeros(rows, self.max_context, dtype=torch.int64)
         seq_lens = torch.zeros(rows, dtype=torch.int64)
@@ -80,7 +150,6 @@ class RequestTable:
         seq_lens[: len(requests)] = self.seq_lens[requests]
         state_slots = torch.zeros(rows, dtype=torch.int64)
         state_slots[: len(requests)] = torch.tensor(requests) + 1
-        # Each padded row is one query token that writes to location 0 and sees no key.
         pad = list(range(len(requests), rows))
         return ForwardBatch(
             input_ids=torch.tensor(ids + [0] * pad_rows, dtype=torch.int64),

@@ -40,8 +40,11 @@ class MLAKVPool(nn.Module):
     """
 
     def __init__(self, num_layers: int, capacity: int, kv_lora_rank: int, rope_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", page_size: int = 1):
         super().__init__()
+        if page_size < 1 or capacity % page_size:
+            raise ValueError(f"page_size must be >= 1 and divide the capacity {capacity}, got {page_size}")
+        self.page_size = page_size
         check_cache_dtype(dtype)
         if num_layers < 1:
             raise ValueError("an MLA KV pool needs at least one MLA layer")
@@ -66,6 +69,11 @@ class MLAKVPool(nn.Module):
     def reshard(self, dcp_size: int, dcp_rank: int, interleave: int = 1, keep: str = "memory") -> None:
         """Reallocate as rank `dcp_rank`'s shard. Contents are dropped: call before any write."""
         layout.validate(dcp_size, dcp_rank, interleave)
+        if self.page_size % interleave:
+            raise ValueError(
+                f"interleave size {interleave} must divide the page size {self.page_size}: use 1 "
+                f"(token-interleaved) or a divisor of the page size (page-interleaved)"
+            )
         if keep == "memory":
             rows = (self.unsharded_rows // interleave) * interleave
             if rows == 0:
@@ -80,9 +88,10 @@ class MLAKVPool(nn.Module):
         self._allocate(rows)
 
     def report(self) -> CapacityReport:
-        usable = self.capacity - 1
+        # The first page holds the reserved location 0 and is never handed out.
+        usable = self.capacity - self.page_size
         per_row = self.row_dim * torch.empty((), dtype=self.dtype).element_size()
-        unsharded_usable = self.rows_per_rank - 1
+        unsharded_usable = self.rows_per_rank - self.page_size
         return CapacityReport(
             dcp_size=self.dcp_size,
             interleave=self.interleave,

@@ -114,7 +114,7 @@ def test_unknown_or_mandatory_pass_names_are_rejected():
 
 
 def test_rewrite_without_group_is_an_error(graph):
-    with pytest.raises(RuntimeError, match="process group"):
+    with pytest.raises(RuntimeError, match="process group name"):
         PassManager(PassConfig(dcp_size=2)).run(__import__("copy").deepcopy(graph))
 
 

@@ -135,3 +135,60 @@ def merge_lse(outs, lses):
 def merge_partials(packed, kv_lora_rank: int):
     outs, lses = unpack_partials(packed, kv_lora_rank)
     return merge_lse(outs, lses)[0]
+
+
+NEVER_VISIBLE = torch.iinfo(torch.int32).max
+"""Key position given to padding entries so that no query's causal mask admits them."""
+
+
+def gather_local_rows(kv_cache, local_req_to_token, local_seq_lens):
+    """This rank's cache rows for the batch, compacted to [B, L, D]; zeros past each local length."""
+    width = local_req_to_token.shape[1]
+    valid = torch.arange(width, device=kv_cache.device)[None, :] < local_seq_lens[:, None]
+    rows = kv_cache[local_req_to_token.long()]
+    return torch.where(valid[..., None], rows, torch.zeros((), dtype=kv_cache.dtype))
+
+
+def gathered_kv_metadata(req_to_token, seq_lens, dcp_size: int, interleave: int):
+    """Page table over the all-gathered [N * B * L, D] rows of every rank's gather_local_rows.
+
+    Returns (page_table [B, N*L], seq_lens [B], key_positions [B, N*L]): request b's keys from
+    every shard, compacted to the front; the first seq_lens[b] entries are valid.
+    """
+    batch, width = req_to_token.shape
+    device = req_to_token.device
+    column = torch.arange(width, device=device)
+    pages, positions, valid = [], [], []
+    for rank in range(dcp_size):
+        _, lens, pos = local_metadata(req_to_token, seq_lens, rank, dcp_size, interleave)
+        base = (rank * batch + torch.arange(batch, device=device))[:, None] * width
+        pages.append(base + column[None, :])
+        positions.append(pos)
+        valid.append(column[None, :] < lens[:, None])
+    valid = torch.cat(valid, dim=1)
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    kept = torch.gather(valid, 1, order)
+    page_table = torch.where(kept, torch.gather(torch.cat(pages, dim=1), 1, order), 0)
+    key_positions = torch.where(kept, torch.gather(torch.cat(positions, dim=1), 1, order), NEVER_VISIBLE)
+    return page_table.to(req_to_token.dtype), kept.sum(dim=1).to(seq_lens.dtype), key_positions.to(req_to_token.dtype)
+
+
+def check_attention_metadata(req_to_token, seq_lens, q_seq_ids, q_positions) -> None:
+    """Raise if the query metadata contradicts the sequence lengths."""
+    batch, width = req_to_token.shape
+    if seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens has shape {tuple(seq_lens.shape)}, expected ({batch},) to match req_to_token")
+    if bool((seq_lens < 0).any()) or bool((seq_lens > width).any()):
+        raise ValueError(f"seq_lens must lie in [0, {width}] (the page table's width), got {seq_lens.tolist()}")
+    if q_seq_ids.numel() == 0:
+        return
+    if bool((q_seq_ids < 0).any()) or bool((q_seq_ids >= batch).any()):
+        raise ValueError(f"q_seq_ids must lie in [0, {batch}), got {q_seq_ids.tolist()}")
+    lens = seq_lens[q_seq_ids]
+    bad = (lens > 0) & ((q_positions < 0) | (q_positions >= lens))
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0])
+        raise ValueError(
+            f"query token {t} of request {int(q_seq_ids[t])} sits at position {int(q_positions[t])}, "
+            f"but that request has seq_len {int(lens[t])}: positions must lie in [0, seq_len)"
+        )

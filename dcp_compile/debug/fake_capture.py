@@ -1,0 +1,176 @@
+"""Capture a preset model's dynamo graph with shapes only: no weights, no process group, no run.
+
+What `dcp-compile dump` and bench/pass_pipeline.py run the passes on, in one process:
+- the model is built on the meta device, so a 61-layer Kimi-K2 allocates no weights;
+- TP is rank 0 of a fake group: heads are split, and the all-reduces name FAKE_TP_GROUP, a
+  string that is embedded in the graph and never resolved;
+- the recording backend keeps the graph and returns meta outputs, so nothing is executed;
+- the passes embed FAKE_DCP_GROUP the same way.
+
+Modes (the batch is built by RequestTable.extend_batch, over `context` cached tokens each):
+decode = 1 new token per request, verify = `draft_len` tokens per request, extend = a chunk of
+`chunk` tokens per request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_arg
+
+from dcp_compile.models.config import MLAModelConfig, preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.passes.base import PassConfig
+from dcp_compile.runtime import parallel
+from dcp_compile.runtime.batch import RequestTable
+
+MODES = ("decode", "verify", "extend")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FAKE_TP_GROUP, FAKE_DCP_GROUP = "fake-tp-group", "fake-dcp-group"
+
+
+def allowed_tp_sizes(cfg: MLAModelConfig) -> list[int]:
+    """TP sizes that split every head-parallel dimension of the model evenly."""
+    widths = [cfg.num_heads, cfg.intermediate_size]
+    if "linear" in cfg.layer_types:
+        widths.append(cfg.hidden_size // cfg.linear_head_dim)
+    return [t for t in range(1, cfg.num_heads + 1) if all(w % t == 0 for w in widths)]
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One shape-only capture. Every field is checked when the spec is made."""
+
+    model: str = "tiny"
+    """A preset of dcp_compile.models.config: tiny, deepseek-v3, kimi-k2, kimi-linear."""
+    layers: int | None = None
+    """Layer count, keeping the preset's layer pattern; None keeps the preset's."""
+    dcp_size: int = 2
+    """N, the ranks the KV cache is sharded over."""
+    tp_size: int | None = None
+    """TP ranks the heads are split over (this is rank 0); None means tp_size = dcp_size."""
+    mode: str = "decode"
+    """decode, verify or extend."""
+    batch: int = 4
+    """Requests in the batch."""
+    draft_len: int = 4
+    """verify: query tokens per request (k)."""
+    chunk: int = 64
+    """extend: new tokens per request."""
+    context: int = 256
+    """Tokens already cached for each request before this step."""
+    interleave: int = 1
+    """I, the interleave size the passes use."""
+    dtype: str = "bfloat16"
+    """Weights and KV cache dtype: float32, bfloat16 or float16."""
+    debug_checks: bool = False
+    """Run the debug-check passes (check_locations, ...) too."""
+
+    def __post_init__(self) -> None:
+        cfg = self.model_config()
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {list(MODES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPES)}")
+        for name in ("batch", "draft_len", "chunk", "interleave", "dcp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.context < 0:
+            raise ValueError(f"context must be >= 0, got {self.context}")
+        tp = self.tp
+        allowed = allowed_tp_sizes(cfg)
+        if tp not in allowed:
+            linear = f", {cfg.hidden_size // cfg.linear_head_dim} linear-attention heads" if "linear" in cfg.layer_types else ""
+            raise ValueError(
+                f"tp_size {tp} does not split model {self.model} ({cfg.num_heads} attention heads{linear}, "
+                f"MLP width {cfg.intermediate_size}); allowed tp sizes: {allowed}"
+            )
+        parallel.validate_sizes(tp, self.dcp_size, tp)
+
+    @property
+    def tp(self) -> int:
+        return self.dcp_size if self.tp_size is None else self.tp_size
+
+    def model_config(self) -> MLAModelConfig:
+        cfg = preset(self.model)
+        return cfg.with_layers(self.layers) if self.layers is not None else cfg
+
+    @property
+    def new_tokens(self) -> int:
+        """Query tokens per request."""
+        return {"decode": 1, "verify": self.draft_len, "extend": self.chunk}[self.mode]
+
+    @property
+    def query_tokens(self) -> int:
+        return self.batch * self.new_tokens
+
+    def parallel_state(self) -> parallel.ParallelState:
+        return parallel.ParallelState(tp_size=self.tp, tp_rank=0, dcp_size=1, dcp_rank=0,
+                                      tp_group_name=FAKE_TP_GROUP if self.tp > 1 else None)
+
+    def pass_config(self) -> PassConfig:
+        return PassConfig(dcp_size=self.dcp_size, dcp_rank=0, interleave=self.interleave,
+                          dcp_group_name=FAKE_DCP_GROUP if self.dcp_size > 1 else None,
+                          debug_checks=self.debug_checks)
+
+    def describe(self) -> str:
+        cfg = self.model_config()
+        return (f"{self.model}, {cfg.num_layers} layers ({cfg.num_mla_layers} MLA), {self.mode}: "
+                f"{self.batch} x {self.new_tokens} tokens over {self.context} cached, "
+                f"DCP {self.dcp_size} x TP {self.tp}, {self.dtype}")
+
+
+@dataclass
+class CapturedGraph:
+    gm: fx.GraphModule
+    spec: GraphSpec
+    seconds: float
+
+
+def _placeholder_outputs(gm: fx.GraphModule):
+    """Meta tensors shaped like the graph's outputs: what the compiled function returns."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = map_arg(output.args[0], lambda n: n.meta.get("val", n.meta.get("example_value")))
+
+    def as_meta(value):
+        if isinstance(value, torch.Tensor):
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return value
+
+    return torch.utils._pytree.tree_map(as_meta, values)
+
+
+def capture(spec: GraphSpec) -> CapturedGraph:
+    """Build spec's model on the meta device and capture its full graph without running it."""
+    start = time.perf_counter()
+    cfg = spec.model_config()
+    per_request = spec.context + spec.new_tokens
+    capacity = spec.batch * per_request + 1
+    model = MLAModel(cfg, kv_capacity=capacity, max_requests=spec.batch, par=spec.parallel_state(),
+                     dtype=DTYPES[spec.dtype], device="meta")
+    if spec.dcp_size > 1 and model.kv_pool is not None:
+        # As apply() does: the cache the passes see is this rank's shard.
+        model.kv_pool.reshard(spec.dcp_size, 0, spec.interleave)
+    table = RequestTable(spec.batch, per_request, capacity)
+    requests = list(range(spec.batch))
+    if spec.context:
+        for request in requests:
+            table.append(request, spec.context)
+    batch = table.extend_batch(requests, [[1] * spec.new_tokens for _ in requests]).to("meta")
+
+    graphs: list[fx.GraphModule] = []
+
+    def record(gm: fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        outputs = _placeholder_outputs(gm)
+        return lambda *args: outputs
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=record, fullgraph=True, dynamic=False)(*batch.args())
+    torch._dynamo.reset()
+    if len(graphs) != 1:
+        raise RuntimeError(f"expected one captured graph, got {len(graphs)}")
+    return CapturedGraph(graphs[0], spec, time.perf_counter() - start)

@@ -1,0 +1,40 @@
+"""Check each attention's query metadata against its sequence lengths (debug-checks mode only).
+
+    before: mla_attention(..., req_to_token, seq_lens, q_seq_ids, q_positions, s)
+    after:  pos = dcp.check_metadata(req_to_token, seq_lens, q_seq_ids, q_positions)   # once
+            mla_attention(..., req_to_token, seq_lens, q_seq_ids, pos, s)
+
+Assumes: nothing about the mode; decode, verify and extend all satisfy 0 <= position < seq_len.
+Guarantees: positions outside [0, seq_len) of their request, seq_lens wider than the page table or
+row ids out of range raise ValueError before any attention runs; one check per distinct metadata.
+Why a pass: a debug property of the deployment, not of the model.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from dcp_compile.passes import sites
+from dcp_compile.passes.base import GraphPass, PassConfig
+from dcp_compile.passes.graph_utils import call
+
+
+class CheckMetadata(GraphPass):
+    name = "check_metadata"
+
+    def applies(self, config: PassConfig) -> bool:
+        return config.debug_checks
+
+    def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
+        checked: dict[tuple, fx.Node] = {}
+        rewritten = 0
+        for site in sites.find_attention_sites(gm.graph):
+            if isinstance(site.q_positions, fx.Node) and site.q_positions.target is sites.CHECK_METADATA:
+                continue
+            key = (site.req_to_token, site.seq_lens, site.q_seq_ids, site.q_positions)
+            if key not in checked:
+                with gm.graph.inserting_before(site.node):
+                    checked[key] = call(gm.graph, sites.CHECK_METADATA, *key)
+                rewritten += 1
+            site.node.replace_input_with(site.q_positions, checked[key])
+        return rewritten
