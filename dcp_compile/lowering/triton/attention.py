@@ -32,6 +32,7 @@ from dcp_compile.lowering.triton.launching import (
     check_same_device,
     grid_for,
     is_interpreted,
+    triton_dtype,
 )
 
 _LN2 = math.log(2.0)
@@ -61,19 +62,13 @@ def _attend_splits_kernel(
     stride_split_lse_token, stride_split_lse_split,
     RANK_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LN2: tl.constexpr,
+    OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, LN2: tl.constexpr,
 ):
     latent_cols = tl.arange(0, BLOCK_R)
     rope_cols = tl.arange(0, BLOCK_P)
     latent_mask = latent_cols < RANK_DIM
     rope_mask = rope_cols < ROPE_DIM
     key_offsets = tl.arange(0, BLOCK_N)
-    # Operands of the dots: the cache dtype on the device; fp32 under the interpreter, whose
-    # tl.dot multiplies the raw bits of bf16 (triton-lang/triton#11584).
-    if DOT_IN_FP32:
-        operand_dtype = tl.float32
-    else:
-        operand_dtype = kv_cache_ptr.dtype.element_ty
     work_items = tokens * num_splits * head_tiles
     for work in range(tl.program_id(0), work_items, tl.num_programs(0)):
         head_tile = work % head_tiles
@@ -91,11 +86,11 @@ def _attend_splits_kernel(
             q_latent = tl.load(
                 q_latent_ptr + token * stride_q_latent_token + head[:, None] * stride_q_latent_head
                 + latent_cols[None, :] * stride_q_latent_col,
-                mask=head_mask[:, None] & latent_mask[None, :], other=0.0).to(operand_dtype)
+                mask=head_mask[:, None] & latent_mask[None, :], other=0.0).to(OPERAND_DTYPE)
             q_rope = tl.load(
                 q_rope_ptr + token * stride_q_rope_token + head[:, None] * stride_q_rope_head
                 + rope_cols[None, :] * stride_q_rope_col,
-                mask=head_mask[:, None] & rope_mask[None, :], other=0.0).to(operand_dtype)
+                mask=head_mask[:, None] & rope_mask[None, :], other=0.0).to(OPERAND_DTYPE)
             table_row = page_table_ptr + request * stride_table_req
             key_positions_row = key_positions_ptr + request * stride_key_positions_req
             # Running softmax in base 2 (scores are pre-scaled by log2 e); the LSE is stored in base e.
@@ -111,9 +106,9 @@ def _attend_splits_kernel(
                 visible = key_mask & (key_position <= query_position)
                 row_ptr = kv_cache_ptr + row * stride_cache_row
                 k_latent = tl.load(row_ptr[:, None] + latent_cols[None, :] * stride_cache_col,
-                                   mask=key_mask[:, None] & latent_mask[None, :], other=0.0).to(operand_dtype)
+                                   mask=key_mask[:, None] & latent_mask[None, :], other=0.0).to(OPERAND_DTYPE)
                 k_rope = tl.load(row_ptr[:, None] + (RANK_DIM + rope_cols)[None, :] * stride_cache_col,
-                                 mask=key_mask[:, None] & rope_mask[None, :], other=0.0).to(operand_dtype)
+                                 mask=key_mask[:, None] & rope_mask[None, :], other=0.0).to(OPERAND_DTYPE)
                 scores = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
                 scores = tl.dot(q_latent, tl.trans(k_latent), scores, input_precision=DOT_PRECISION)
                 scores = tl.where(visible[None, :], scores * scale_log2, float("-inf"))
@@ -123,7 +118,7 @@ def _attend_splits_kernel(
                 rescale = tl.exp2(max_score - shift)
                 probs = tl.exp2(scores - shift[:, None])
                 denominator = denominator * rescale + tl.sum(probs, 1)
-                acc = acc * rescale[:, None] + tl.dot(probs.to(operand_dtype), k_latent, input_precision=DOT_PRECISION)
+                acc = acc * rescale[:, None] + tl.dot(probs.to(OPERAND_DTYPE), k_latent, input_precision=DOT_PRECISION)
                 max_score = new_max
             seen = denominator > 0
             safe_denominator = tl.where(seen, denominator, 1.0)
@@ -230,6 +225,9 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
     if split_out.shape != (tokens, tiling.num_splits, heads, rank_dim) or split_out.stride(3) != 1 \
             or split_lse.shape != (tokens, tiling.num_splits, heads) or split_lse.stride(2) != 1:
         raise ValueError("workspace must be split_workspace(T, num_splits, H, R) for this call")
+    # The dots take the cache's dtype on a device, fp32 under the interpreter, whose tl.dot
+    # multiplies the raw bits of bf16 (triton-lang/triton#11584). fp32 dots ask for IEEE
+    # precision: the default TF32 would miss the reference by 1e-3.
     dot_in_fp32 = kv_cache.dtype == torch.float32 or is_interpreted(_attend_splits_kernel)
     _attend_splits_kernel[grid_for(tokens * tiling.num_splits * head_tiles)](
         q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, split_out, split_lse,
@@ -245,7 +243,8 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
         split_lse.stride(0), split_lse.stride(1),
         RANK_DIM=rank_dim, ROPE_DIM=rope_dim,
         BLOCK_R=block_size(rank_dim), BLOCK_P=block_size(rope_dim), BLOCK_H=tiling.block_h, BLOCK_N=tiling.block_n,
-        DOT_IN_FP32=dot_in_fp32, DOT_PRECISION="ieee" if dot_in_fp32 else None, LN2=_LN2,
+        OPERAND_DTYPE=tl.float32 if dot_in_fp32 else triton_dtype(kv_cache.dtype),
+        DOT_PRECISION="ieee" if dot_in_fp32 else None, LN2=_LN2,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     _merge_splits_kernel[grid_for(tokens * heads)](

@@ -74,7 +74,10 @@ def choose_num_splits(programs_per_split: int, width: int, units: int) -> int:
 def choose_tiling(tokens: int, heads: int, width: int, device: torch.device) -> AttentionTiling:
     block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(heads)))
     head_tiles = triton.cdiv(heads, block_h)
-    # Fewer heads leave registers for a longer key block, and so fewer loop iterations.
-    block_n = 64 if block_h <= 32 else 32
     num_splits = choose_num_splits(max(1, tokens * head_tiles), width, parallel_units(device))
-    return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=block_n)
+    # Register budget on sm_90 (offline compile, R = 512, bf16, 8 warps): a 64-head tile's
+    # accumulator alone takes 128 registers a thread, and 16 keys per step keep its spill near
+    # 100 bytes (32 keys double it); up to 32 heads, 64 keys per step fit in ~180 registers.
+    if block_h >= 64:
+        return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=16, num_warps=8, num_stages=2)
+    return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=64, num_warps=8, num_stages=3)

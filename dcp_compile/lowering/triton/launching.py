@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 MAX_PROGRAMS = 65535
 SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def triton_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
 def check_float(name: str, tensor: torch.Tensor) -> None:

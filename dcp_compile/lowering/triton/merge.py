@@ -14,7 +14,7 @@ import triton.language as tl
 from dcp_compile.lowering.torch.reference import lse_words
 from dcp_compile.lowering.triton.launching import block_size, check_float, grid_for
 from dcp_compile.lowering.triton.lse_packing import load_lse_words
-from dcp_compile.lowering.triton.pack import rows_per_program
+from dcp_compile.lowering.triton.pack import NUM_WARPS, rows_per_program
 
 
 @triton.jit
@@ -86,6 +86,7 @@ def merge_partials_into(packed, kv_lora_rank: int, merged) -> None:
         packed.stride(0), packed.stride(1), packed.stride(2), packed.stride(3),
         merged.stride(0), merged.stride(1), merged.stride(2),
         RANK_DIM=kv_lora_rank, BLOCK_R=block_size(kv_lora_rank), LSE_WORDS=words, BLOCK_ROWS=block_rows,
+        num_warps=NUM_WARPS,
     )
 
 
