@@ -44,16 +44,72 @@ def _find_fake_mode(graph: fx.Graph):
     return None
 
 
+class UncacheableValue(Exception):
+    """A value whose metadata does not determine what an op computes from it (or is symbolic)."""
+
+
+_CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def fake_signature(value):
+    """Everything about a fake value (or constant, or a structure of them) that the metadata an
+    op computes from it can depend on; raises UncacheableValue for anything else.
+
+    The type is part of the key because 2 and 2.0 (and True) hash alike yet promote differently.
+    """
+    if isinstance(value, FakeTensor):
+        shape, stride = tuple(value.shape), value.stride()
+        if not all(type(d) is int for d in shape + stride):
+            raise UncacheableValue
+        return (FakeTensor, shape, stride, value.storage_offset(), value.dtype, value.device, value.layout,
+                value.requires_grad, value.is_conj(), value.is_neg())
+    if isinstance(value, _CONSTANT_TYPES) or value is Ellipsis:
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(fake_signature(v) for v in value))
+    if isinstance(value, slice):
+        return (slice, fake_signature(value.start), fake_signature(value.stop), fake_signature(value.step))
+    if isinstance(value, dict):
+        return (dict, tuple((k, fake_signature(v)) for k, v in value.items()))
+    raise UncacheableValue
+
+
+def is_fake_result(value) -> bool:
+    """A fake tensor or a non-empty tuple/list of them: what a pure op's result may be reused as."""
+    if isinstance(value, FakeTensor):
+        return True
+    return isinstance(value, (tuple, list)) and len(value) > 0 and all(isinstance(v, FakeTensor) for v in value)
+
+
+_CALL_RESULTS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
 def call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
     """Insert call_function(target) at the graph's insertion point and set meta['val'] by
-    running target on the arguments' fake values."""
+    running target on the arguments' fake values.
+
+    A pure op overload already run on arguments with the same metadata (the same rewrite in an
+    earlier layer) reuses that fake result instead of dispatching again."""
     node = graph.call_function(target, args, kwargs)
     mode = fake_mode_of(graph)
+    if mode is None:
+        return node
     fake_args = map_arg(args, fake_value)
     fake_kwargs = map_arg(kwargs, fake_value)
-    if mode is not None:
-        with mode:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
+    key = None
+    if isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable:
+        try:
+            key = (target, fake_signature(fake_args), fake_signature(fake_kwargs))
+        except (UncacheableValue, TypeError):
+            key = None
+    results = _CALL_RESULTS.setdefault(mode, {})
+    if key is not None and key in results:
+        node.meta["val"] = results[key]
+        return node
+    with mode:
+        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    if key is not None and is_fake_result(node.meta["val"]):
+        results[key] = node.meta["val"]
     return node
 
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import fake_mode_of, fake_value
+from dcp_compile.passes.graph_utils import UncacheableValue, fake_mode_of, fake_signature, fake_value, is_fake_result
 
 
 class GraphVerificationError(RuntimeError):
@@ -29,41 +28,6 @@ def _same(expected, got) -> bool:
     if isinstance(expected, (tuple, list)) and isinstance(got, (tuple, list)):
         return len(expected) == len(got) and all(_same(e, g) for e, g in zip(expected, got))
     return True
-
-
-class _Uncacheable(Exception):
-    """A value whose metadata does not determine what an op computes from it (or is symbolic)."""
-
-
-_PLAIN_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
-
-
-def _signature(value):
-    """Everything about a value that the metadata an op computes from it can depend on.
-
-    The type is part of the key because 2 and 2.0 (and True) hash alike yet promote differently.
-    """
-    if isinstance(value, FakeTensor):
-        shape, stride = tuple(value.shape), value.stride()
-        if not all(type(d) is int for d in shape + stride):
-            raise _Uncacheable
-        return (FakeTensor, shape, stride, value.storage_offset(), value.dtype, value.device, value.layout,
-                value.requires_grad, value.is_conj(), value.is_neg())
-    if isinstance(value, _PLAIN_CONSTANTS) or value is Ellipsis:
-        return (type(value), value)
-    if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_signature(v) for v in value))
-    if isinstance(value, slice):
-        return (slice, _signature(value.start), _signature(value.stop), _signature(value.step))
-    if isinstance(value, dict):
-        return (dict, tuple((k, _signature(v)) for k, v in value.items()))
-    raise _Uncacheable
-
-
-def _cacheable_result(result) -> bool:
-    if isinstance(result, FakeTensor):
-        return True
-    return isinstance(result, (tuple, list)) and len(result) > 0 and all(isinstance(r, FakeTensor) for r in result)
 
 
 def _in_place(target) -> bool:
@@ -93,17 +57,17 @@ class _SharedFakeTensorProp(FakeTensorProp):
             if isinstance(arg, fx.Node):
                 signature = self._signatures.get(arg)
                 if signature is None:
-                    raise _Uncacheable
+                    raise UncacheableValue
                 return signature
             if isinstance(arg, (tuple, list)):
                 return (type(arg), tuple(input_signature(a) for a in arg))
             if isinstance(arg, dict):
                 return (dict, tuple((k, input_signature(v)) for k, v in arg.items()))
-            return _signature(arg)
+            return fake_signature(arg)
 
         try:
             return (node.op, node.target, input_signature(node.args), input_signature(node.kwargs))
-        except (_Uncacheable, TypeError):
+        except (UncacheableValue, TypeError):
             return None
 
     def run_node(self, n: fx.Node):
@@ -114,10 +78,10 @@ class _SharedFakeTensorProp(FakeTensorProp):
         else:
             result = super().run_node(n)
             try:
-                signature = _signature(result)
-            except _Uncacheable:
+                signature = fake_signature(result)
+            except UncacheableValue:
                 signature = None
-            if key is not None and signature is not None and _cacheable_result(result) and "unbacked_bindings" not in n.meta:
+            if key is not None and signature is not None and is_fake_result(result) and "unbacked_bindings" not in n.meta:
                 self._results[key] = (result, signature, n.meta["val"])
         if signature is not None:
             self._signatures[n] = signature
