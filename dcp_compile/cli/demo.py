@@ -7,7 +7,8 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from dcp_compile.scenario import Scenario, compare
+from dcp_compile.cost_model import STRATEGIES
+from dcp_compile.scenario import MODES, Scenario, compare
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -19,7 +20,10 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("demo", help="prefill + greedy decode under DCP on CPU ranks, compared with dcp_size=1")
+    p = sub.add_parser("demo", help="prefill + decode/verify/extend under DCP on CPU ranks, compared with dcp_size=1")
+    p.add_argument("--mode", default="decode", choices=MODES,
+                   help="decode: 1 token per step; verify: k tokens per step with scripted accept/reject; "
+                        "extend: chunked prefill over a sharded prefix, then decode")
     p.add_argument("--dcp-size", type=int, default=2, help="ranks the KV cache is sharded over (default 2)")
     p.add_argument("--tp-size", type=int, default=None, help="tensor-parallel ranks to spawn (default: dcp size)")
     p.add_argument("--batch", type=int, default=4, help="requests (default 4)")
@@ -29,6 +33,12 @@ def register(sub) -> None:
     p.add_argument("--model", default="tiny", help="model preset (default tiny)")
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--interleave", type=int, default=1, help="interleave size I (default 1)")
+    p.add_argument("--page-size", type=int, default=None, help="KV page size (default: the interleave size)")
+    p.add_argument("--draft-len", type=int, default=7, help="verify: tokens per request per step, 1..16 (default 7)")
+    p.add_argument("--chunk", type=int, default=None, help="extend: prompt tokens per request per step")
+    p.add_argument("--extend-strategy", default="auto", choices=("auto",) + STRATEGIES,
+                   help="how attention reaches the sharded KV (auto: the cost model picks per batch)")
+    p.add_argument("--shared-prefix", type=int, default=0, help="request 1 shares this many prompt tokens of request 0")
     p.add_argument("--pad-rows", type=int, default=1, help="padded rows per batch, written to location 0")
     p.add_argument("--json", action="store_true", help="end with one JSON summary line")
     p.set_defaults(handler=run)
@@ -36,17 +46,19 @@ def register(sub) -> None:
 
 def run(args) -> int:
     scenario = Scenario(
-        dcp_size=args.dcp_size, tp_size=args.tp_size or args.dcp_size, batch=args.batch,
+        mode=args.mode, draft_len=args.draft_len, chunk=args.chunk, attention_strategy=args.extend_strategy,
+        page_size=args.page_size, shared_prefix=args.shared_prefix, dcp_size=args.dcp_size, tp_size=args.tp_size or args.dcp_size, batch=args.batch,
         contexts=_lengths(args.context), steps=args.steps, seed=args.seed, model=args.model,
         layers=args.layers, interleave=args.interleave, pad_rows=args.pad_rows,
     )
     result = compare(scenario)
     console = Console(stderr=args.json)
-    table = Table(title=f"dcp-compile demo: {scenario.model}, DCP {scenario.dcp_size} x TP {scenario.tp_size}")
+    table = Table(title=f"dcp-compile demo: {scenario.model}, {scenario.mode}, DCP {scenario.dcp_size} x TP {scenario.tp_size}, I={scenario.interleave}")
     table.add_column("check")
     table.add_column("value", justify="right")
     table.add_row("greedy tokens identical to dcp_size=1", "yes" if result["tokens_match"] else "NO")
     table.add_row("max |logits - logits(dcp=1)|", f"{result['max_abs_diff']:.3e}")
+    table.add_row("all logits within 1e-5 (outputs_match)", "yes" if result["outputs_match"] else "NO")
     table.add_row("all logits finite (padded rows too)", "yes" if result["finite"] else "NO")
     table.add_row("requests x context", f"{scenario.batch} x {result['contexts']}")
     table.add_row("KV tokens stored per DCP rank", " / ".join(map(str, result["tokens_stored_per_dcp_rank"])) + f" of {result['tokens_total']}")
@@ -57,8 +69,11 @@ def run(args) -> int:
         if name != "verify":
             table.add_row(f"pass {name}: sites", str(sites))
     table.add_row("graphs captured", str(result["graphs_captured"]))
+    counts = ", ".join(f"{k} x{v}" for k, v in sorted(result["strategy_counts"].items()))
+    table.add_row("attention strategy per batch", counts)
+    table.add_row("last choice and why", result["last_strategy_reason"] or "-")
     table.add_row("wall time (s)", f"{result['seconds']:.1f}")
     console.print(table)
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "tokens"}))
-    return 0 if result["tokens_match"] and result["finite"] else 1
+    return 0 if result["tokens_match"] and result["outputs_match"] and result["finite"] else 1
