@@ -219,7 +219,7 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
                          f"{tuple(out.shape)} {out.dtype} and {tuple(lse.shape)} {lse.dtype}")
     if tokens == 0 or heads == 0:
         return
-    tiling = tiling or choose_tiling(tokens, heads, width, q_latent.device)
+    tiling = tiling or choose_tiling(tokens, heads, width, q_latent.device, kv_cache.dtype)
     head_tiles = triton.cdiv(heads, tiling.block_h)
     split_out, split_lse = workspace or split_workspace(tokens, tiling.num_splits, heads, rank_dim, q_latent.device)
     if split_out.shape != (tokens, tiling.num_splits, heads, rank_dim) or split_out.stride(3) != 1 \

@@ -71,10 +71,16 @@ def choose_num_splits(programs_per_split: int, width: int, units: int) -> int:
     return best
 
 
-def choose_tiling(tokens: int, heads: int, width: int, device: torch.device) -> AttentionTiling:
-    block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(heads)))
+def choose_tiling(tokens: int, heads: int, width: int, device: torch.device,
+                  cache_dtype: torch.dtype = torch.bfloat16) -> AttentionTiling:
+    # fp32 is the exact path, not the fast one: its IEEE dots run without tensor cores, and a
+    # 64-head fp32 query tile alone would fill 147 KiB of shared memory.
+    most_heads = MAX_BLOCK_H if cache_dtype != torch.float32 else MAX_BLOCK_H // 2
+    block_h = min(most_heads, max(16, triton.next_power_of_2(heads)))
     head_tiles = triton.cdiv(heads, block_h)
     num_splits = choose_num_splits(max(1, tokens * head_tiles), width, parallel_units(device))
+    if cache_dtype == torch.float32:
+        return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=16, num_warps=8, num_stages=2)
     # Register budget on sm_90 (offline compile, R = 512, bf16, 8 warps): a 64-head tile's
     # accumulator alone takes 128 registers a thread, and 16 keys per step keep its spill near
     # 100 bytes (32 keys double it); up to 32 heads, 64 keys per step fit in ~180 registers.
