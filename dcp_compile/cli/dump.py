@@ -1,12 +1,177 @@
-"""`dcp-compile dump`: placeholder until the graph-dump CLI lands."""
+"""`dcp-compile dump`: every pass's graph before and after, op counts and timing, for a model
+preset captured with shapes only (meta weights, fake process groups, nothing executed).
+
+Writes into --out the same files as DCP_COMPILE_DUMP (dcp_compile/debug/dump.py), plus
+dump.json (what was captured, timings), index.html (--format html) or .dot/.svg files
+(--format svg), and prints a summary table.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from dcp_compile.debug import dump as text_dump
+from dcp_compile.debug.fake_capture import DTYPES, MODES, GraphSpec, capture
+from dcp_compile.models.config import PRESETS
+from dcp_compile.passes.manager import PASS_NAMES, PassManager, check_pass_names
+
+log = logging.getLogger("dcp_compile.cli.dump")
+
+FORMATS = ("text", "html", "svg")
+MLA_OP = "dcp::mla_attention"
+
 
 def register(sub) -> None:
-    parser = sub.add_parser("dump", help="dump each pass's graph before and after (not built yet)")
-    parser.set_defaults(handler=run)
+    p = sub.add_parser(
+        "dump", help="dump each pass's graph before and after, op counts and timing (no GPU, one process)",
+        description="Capture a model preset with shapes only and run the whole DCP pass pipeline on it.",
+    )
+    p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--layers", type=int, default=None, help="layer count, keeping the preset's pattern")
+    p.add_argument("--dcp-size", type=int, default=2, help="DCP size N (default 2)")
+    p.add_argument("--tp-size", type=int, default=None, help="TP size; heads are split over it (default: DCP size)")
+    p.add_argument("--mode", default="decode", help=f"batch shape: {', '.join(MODES)} (default decode)")
+    p.add_argument("--out", required=True, help="output folder (created if missing)")
+    p.add_argument("--format", default="text", help=f"{', '.join(FORMATS)} (default text; text files are always written)")
+    p.add_argument("--only", default=None, metavar="PASS", help="dump the graphs of this pass only")
+    p.add_argument("--disable", action="append", default=[], metavar="PASS", help="switch a pass off (repeatable)")
+    p.add_argument("--batch", type=int, default=4, help="requests (default 4)")
+    p.add_argument("--draft-len", type=int, default=4, help="verify: tokens per request k (default 4)")
+    p.add_argument("--chunk", type=int, default=64, help="extend: new tokens per request (default 64)")
+    p.add_argument("--context", type=int, default=256, help="tokens cached per request before the step (default 256)")
+    p.add_argument("--interleave", type=int, default=1, help="interleave size I (default 1)")
+    p.add_argument("--dtype", default="bfloat16", help=f"{', '.join(DTYPES)} (default bfloat16)")
+    p.add_argument("--debug-checks", action="store_true", help="also run the debug-check passes")
+    p.set_defaults(handler=run)
+
+
+def _check_names(only: str | None, disabled: list[str]) -> None:
+    check_pass_names(disabled)
+    if only is not None and only not in PASS_NAMES:
+        raise ValueError(f"unknown pass name {only!r} for --only; passes are {list(PASS_NAMES)}")
+    if only is not None and only in disabled:
+        raise ValueError(f"--only {only} names a pass that --disable switches off")
+
+
+def _prepare_out(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".dcp-compile-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"cannot write to output folder {out}: {exc.strerror or exc}") from None
+    return out
+
+
+def _command(args) -> str:
+    """The dump command that reproduces this run, every option spelled out."""
+    parts = ["dcp-compile", "dump"]
+    for option in ("model", "layers", "dcp_size", "tp_size", "mode", "batch", "draft_len", "chunk", "context",
+                   "interleave", "dtype", "format", "only", "out"):
+        value = getattr(args, option)
+        if value is not None:
+            parts += [f"--{option.replace('_', '-')}", str(value)]
+    parts += [item for name in args.disable for item in ("--disable", name)]
+    return " ".join(parts + (["--debug-checks"] if args.debug_checks else []))
+
+
+def _changes(op_diff: dict) -> str:
+    return "\n".join(f"{op} {c['before']} -> {c['after']}" for op, c in op_diff.items())
+
+
+def _print_summary(console: Console, spec: GraphSpec, data: dict, facts: list[str]) -> None:
+    table = Table(title=f"dcp-compile dump: {spec.describe()}", title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("pass")
+    table.add_column("ran")
+    table.add_column("sites", justify="right")
+    table.add_column("nodes before -> after", justify="right")
+    table.add_column("ms", justify="right")
+    table.add_column("op count changes")
+    for p in data["passes"]:
+        table.add_row(f"{p['order']:02d}", p["name"], "yes" if p["ran"] else "no", str(p["sites"]),
+                      f"{p['nodes_before']} -> {p['nodes_after']}", f"{p['milliseconds']:.1f}", _changes(p["op_diff"]))
+    console.print(table)
+    for fact in facts:
+        console.print(fact)
 
 
 def run(args) -> int:
-    raise RuntimeError("dcp-compile dump is not built yet; set DCP_COMPILE_DUMP=DIR on any apply() run instead")
+    fmt = args.format
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {list(FORMATS)}")
+    spec = GraphSpec(model=args.model, layers=args.layers, dcp_size=args.dcp_size, tp_size=args.tp_size,
+                     mode=args.mode, batch=args.batch, draft_len=args.draft_len, chunk=args.chunk,
+                     context=args.context, interleave=args.interleave, dtype=args.dtype,
+                     debug_checks=args.debug_checks)
+    _check_names(args.only, args.disable)
+    if fmt == "svg":
+        from dcp_compile.debug.svg import require_dot
+
+        require_dot()
+    out = _prepare_out(args.out)
+
+    captured = capture(spec)
+    log.info("captured %s: %d nodes in %.1f s", spec.describe(), len(captured.gm.graph.nodes), captured.seconds)
+    writer = text_dump.TextDump(out, only=args.only)
+    observers = [writer]
+    if fmt == "svg":
+        from dcp_compile.debug.svg import DotDump
+
+        observers.append(DotDump(out, only=args.only))
+    start = time.perf_counter()
+    report = PassManager(spec.pass_config(), args.disable, observers=observers).run(captured.gm)
+    pipeline_seconds = time.perf_counter() - start
+    data = text_dump.report_dict(report)
+    graph_folder = writer.graph_folder(0)
+
+    mla_before = data["passes"][0]["ops_before"].get(MLA_OP, 0)
+    mla_left = data["passes"][-1]["ops_after"].get(MLA_OP, 0)
+    facts = [
+        f"MLA sites rewritten: {mla_before - mla_left} of {mla_before}",
+        f"capture {captured.seconds:.1f} s, passes {data['total_milliseconds']:.0f} ms "
+        f"({pipeline_seconds:.1f} s with dump writing)",
+    ]
+    summary = {
+        "command": _command(args),
+        "spec": asdict(spec),
+        "tp_size": spec.tp,
+        "query_tokens": spec.query_tokens,
+        "nodes_captured": data["passes"][0]["nodes_before"],
+        "mla_sites": mla_before,
+        "mla_sites_rewritten": mla_before - mla_left,
+        "capture_seconds": round(captured.seconds, 3),
+        "pass_milliseconds": data["total_milliseconds"],
+        "pipeline_seconds_with_dump": round(pipeline_seconds, 3),
+        "disabled": list(args.disable),
+        "only": args.only,
+        "graph_folder": str(graph_folder),
+    }
+    (out / "dump.json").write_text(json.dumps(summary, indent=1) + "\n")
+    written = [f"{graph_folder}/ (graphs, {text_dump.REPORT_JSON}, {text_dump.OP_DIFF_TXT})", str(out / "dump.json")]
+    if fmt == "html":
+        from dcp_compile.debug.html import render
+
+        page = out / "index.html"
+        page.write_text(render(data, graph_folder, f"dcp-compile dump: {spec.model}", [spec.describe()] + facts,
+                               args.disable))
+        written.append(str(page))
+    if fmt == "svg":
+        from dcp_compile.debug.svg import render_svgs
+
+        svgs = render_svgs(observers[-1].written)
+        written.append(f"{len(svgs)} SVG files in {graph_folder}")
+    console = Console()
+    if not console.is_terminal:  # piped or logged: no terminal width to respect, keep rows whole
+        console = Console(width=160)
+    _print_summary(console, spec, data, facts + ["written: " + ", ".join(written)])
+    return 0

@@ -117,13 +117,14 @@ def op_diff_text(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _rank_folder(folder: Path) -> Path:
-    """Ranks of one torch.distributed job dumping into one folder get one subfolder each."""
+def graph_folder(folder: Path, graph_index: int) -> Path:
+    """folder/graphNN; ranks of one torch.distributed job dumping into one folder get a
+    rankNN/ level each, so that they do not overwrite each other."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return folder / f"rank{dist.get_rank():02d}"
-    return folder
+        folder = folder / f"rank{dist.get_rank():02d}"
+    return folder / f"graph{graph_index:02d}"
 
 
 class TextDump:
@@ -138,7 +139,7 @@ class TextDump:
         self._last_after = None  # (graph_index, gm, text): the next pass's 'before' is this graph
 
     def graph_folder(self, graph_index: int) -> Path:
-        return _rank_folder(self.folder) / f"graph{graph_index:02d}"
+        return graph_folder(self.folder, graph_index)
 
     def __call__(self, graph_index: int, order: int, name: str, when: str, gm: fx.GraphModule) -> None:
         if self.only is not None and name != self.only:
