@@ -1,0 +1,192 @@
+"""`dcp-compile dump` and DCP_COMPILE_DUMP: the files, the op-count diff, the HTML page, SVG,
+and a clear error for each kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import dcp_compile
+from dcp_compile.cli.main import main
+from dcp_compile.debug import svg
+from dcp_compile.debug.dump import OP_DIFF_TXT, REPORT_JSON, snapshot_name
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.passes.manager import PASS_NAMES
+from dcp_compile.runtime.batch import RequestTable
+
+MLA_LAYERS = 3  # tiny: mla, linear, mla, mla
+
+
+def dump(tmp: Path, *options: str) -> tuple[int, Path]:
+    out = tmp / "out"
+    return main(["dump", "--out", str(out), *options]), out
+
+
+@pytest.fixture(scope="module")
+def tiny_html(tmp_path_factory):
+    """One full dump of the tiny model at DCP 2 (TP 2), shared by the tests that read it."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    code, out = dump(tmp, "--model", "tiny", "--dcp-size", "2", "--format", "html")
+    assert code == 0
+    return out
+
+
+def test_writes_graphs_before_and_after_every_pass(tiny_html):
+    folder = tiny_html / "graph00"
+    for order, name in enumerate(PASS_NAMES):
+        for when in ("before", "after"):
+            text = (folder / snapshot_name(order, name, when)).read_text()
+            assert text.startswith("class GraphModule")
+    after = (folder / snapshot_name(PASS_NAMES.index("rewrite_attention"), "rewrite_attention", "after")).read_text()
+    # Shapes and dtypes, the fake group names, and tuple-valued nodes annotated too.
+    assert 'L_input_ids_: "i64[4]"' in after
+    assert "'fake-dcp-group'" in after and "'fake-tp-group'" in after
+    assert "mla_partial_attention.default(" in after and "# -> (bf16[4, 8, 32], f32[4, 8])" in after
+
+
+def test_op_count_diff(tiny_html):
+    report = json.loads((tiny_html / "graph00" / REPORT_JSON).read_text())
+    by_name = {p["name"]: p for p in report["passes"]}
+    rewrite = by_name["rewrite_attention"]
+    assert rewrite["ran"] and rewrite["sites"] == MLA_LAYERS
+    assert rewrite["op_diff"]["dcp::mla_attention"] == {"before": MLA_LAYERS, "after": 0}
+    assert rewrite["op_diff"]["dcp::mla_partial_attention"] == {"before": 0, "after": MLA_LAYERS}
+    assert rewrite["op_diff"]["_c10d_functional::all_to_all_single"] == {"before": 0, "after": MLA_LAYERS}
+    assert by_name["shard_kv_write"]["op_diff"] == {
+        "dcp::mla_kv_write": {"before": MLA_LAYERS, "after": 0},
+        "dcp::sharded_kv_write": {"before": 0, "after": MLA_LAYERS},
+    }
+    assert rewrite["nodes_after"] > rewrite["nodes_before"]
+    text = (tiny_html / "graph00" / OP_DIFF_TXT).read_text()
+    assert "dcp::mla_attention" in text and f"{MLA_LAYERS} -> 0" in text
+    summary = json.loads((tiny_html / "dump.json").read_text())
+    assert summary["mla_sites"] == summary["mla_sites_rewritten"] == MLA_LAYERS
+    assert summary["tp_size"] == 2 and summary["command"].startswith("dcp-compile dump --model tiny")
+
+
+def test_html_is_self_contained_and_shows_every_pass(tiny_html):
+    page = (tiny_html / "index.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    for name in PASS_NAMES:
+        assert f"<code>{name}</code>" in page, name
+    assert 'id="pass-04-change"' in page  # rewrite_attention's first change, linked from the page
+    assert "<script" not in page and "<link" not in page and "http://" not in page and "https://" not in page
+
+
+def test_summary_table_printed(tmp_path, capsys):
+    code, out = dump(tmp_path, "--model", "tiny", "--layers", "1", "--dcp-size", "2", "--only", "rewrite_attention")
+    assert code == 0
+    printed = capsys.readouterr().out
+    for name in PASS_NAMES:
+        assert name in printed
+    assert "MLA sites rewritten: 1 of 1" in printed and "dcp::mla_attention 1 -> 0" in printed
+    # --only: that pass's graphs alone, the report still covers every pass.
+    order = PASS_NAMES.index("rewrite_attention")
+    assert sorted(p.name for p in (out / "graph00").glob("*.py")) == [
+        snapshot_name(order, "rewrite_attention", "after"), snapshot_name(order, "rewrite_attention", "before")]
+    assert len(json.loads((out / "graph00" / REPORT_JSON).read_text())["passes"]) == len(PASS_NAMES)
+
+
+def test_disable_leaves_attention_unrewritten(tmp_path, capsys):
+    code, out = dump(tmp_path, "--model", "tiny", "--layers", "1", "--disable", "rewrite_attention")
+    assert code == 0
+    report = {p["name"]: p for p in json.loads((out / "graph00" / REPORT_JSON).read_text())["passes"]}
+    assert not report["rewrite_attention"]["ran"] and report["shard_kv_write"]["sites"] == 1
+    assert report["verify"]["ops_after"]["dcp::mla_attention"] == 1
+    assert "MLA sites rewritten: 0 of 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode, options, tokens", [
+    ("verify", ["--batch", "2", "--draft-len", "3"], 6),
+    ("extend", ["--batch", "2", "--chunk", "5", "--context", "7"], 10),
+])
+def test_modes_shape_the_batch(tmp_path, mode, options, tokens):
+    code, out = dump(tmp_path, "--model", "tiny", "--layers", "1", "--mode", mode, *options)
+    assert code == 0
+    before = (out / "graph00" / snapshot_name(0, PASS_NAMES[0], "before")).read_text()
+    assert f'L_input_ids_: "i64[{tokens}]"' in before and f'L_positions_: "i64[{tokens}]"' in before
+    assert json.loads((out / "dump.json").read_text())["mla_sites_rewritten"] == 1
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` not installed")
+def test_svg(tmp_path):
+    code, out = dump(tmp_path, "--model", "tiny", "--layers", "1", "--format", "svg", "--only", "shard_kv_write")
+    assert code == 0
+    order = PASS_NAMES.index("shard_kv_write")
+    for when, op in (("before", "mla_kv_write"), ("after", "sharded_kv_write")):
+        image = (out / "graph00" / snapshot_name(order, "shard_kv_write", when, "svg")).read_text()
+        assert "<svg" in image and f"dcp::{op}" in image
+
+
+def test_svg_without_dot_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(svg.shutil, "which", lambda name: None)
+    code, _ = dump(tmp_path, "--model", "tiny", "--format", "svg")
+    assert code == 2
+    assert "needs Graphviz's `dot` program on PATH" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--model", "llama"], "unknown model 'llama'; choose one of"),
+    (["--mode", "prefill"], "unknown mode 'prefill'; choose one of ['decode', 'verify', 'extend']"),
+    (["--format", "pdf"], "unknown format 'pdf'; choose one of ['text', 'html', 'svg']"),
+    (["--disable", "no_such_pass"], "unknown pass name(s) ['no_such_pass']; passes are"),
+    (["--only", "no_such_pass"], "unknown pass name 'no_such_pass' for --only; passes are"),
+    (["--disable", "verify"], "cannot be disabled"),
+    (["--dcp-size", "3", "--tp-size", "3"], "tp_size 3 does not split model tiny (8 attention heads"),
+    (["--dcp-size", "4", "--tp-size", "2"], "dcp_size 4 must divide tp_size 2"),
+    (["--model", "kimi-k2", "--dcp-size", "3", "--tp-size", "6"], "tp_size 6 does not split model kimi-k2 (64 attention heads"),
+    (["--batch", "0"], "batch must be >= 1"),
+    (["--layers", "0"], "num_layers must be >= 1"),
+])
+def test_bad_input_is_a_clear_error(tmp_path, capsys, options, message):
+    code, out = dump(tmp_path, *options)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dcp-compile dump: error: ") and message in err, err
+    assert not out.exists()  # rejected before anything is written
+
+
+def test_output_folder_that_cannot_be_written(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = main(["dump", "--model", "tiny", "--out", str(blocker / "out")])
+    assert code == 2
+    assert f"cannot write to output folder {blocker / 'out'}" in capsys.readouterr().err
+
+
+def test_environment_variable_writes_the_same_files(tmp_path, monkeypatch, tiny_html):
+    """DCP_COMPILE_DUMP on an apply() run goes through the same writer as the CLI."""
+    monkeypatch.setenv("DCP_COMPILE_DUMP", str(tmp_path))
+    cfg = preset("tiny")
+    model = MLAModel(cfg, kv_capacity=64, max_requests=2)
+    compiled = dcp_compile.apply(model, 1)
+    table = RequestTable(2, 8, 64)
+    compiled(*table.extend_batch([0, 1], [[1, 2], [3]]).args())
+    written = sorted(p.name for p in (tmp_path / "graph00").iterdir())
+    from_cli = sorted(p.name for p in (tiny_html / "graph00").iterdir())
+    assert written == from_cli
+    report = json.loads((tmp_path / "graph00" / REPORT_JSON).read_text())
+    assert [p["name"] for p in report["passes"]] == list(PASS_NAMES)
+    torch._dynamo.reset()
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium to render the page with")
+def test_page_renders_in_headless_chromium(tiny_html, tmp_path):
+    """The documented screenshot check, automated where Chromium exists (CI does not need it)."""
+    shot = tmp_path / "dump.png"
+    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               f"--user-data-dir={tempfile.mkdtemp()}", f"--screenshot={shot}", "--window-size=1400,1000",
+               (tiny_html / "index.html").as_uri()]
+    subprocess.run(command, capture_output=True, timeout=120, check=False)
+    assert shot.exists() and shot.stat().st_size > 20_000  # a blank page compresses to a few KB
