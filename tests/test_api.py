@@ -87,3 +87,24 @@ def test_model_contract_needs_parallel_state():
     del model.parallel
     with pytest.raises(ValueError, match="parallel"):
         dcp_compile.apply(model, 1)
+
+
+def test_positions_inconsistent_with_seq_lens_are_caught_in_debug_mode():
+    compiled = dcp_compile.apply(_model(), 1, debug_checks=True)
+    batch = RequestTable(2, 16, 64).extend_batch([0, 1], [[1, 2], [3]])
+    batch.positions[1] = 5  # request 0 has 2 tokens
+    with pytest.raises(ValueError, match="positions must lie in"):
+        compiled(*batch.args())
+
+
+def test_interleave_must_divide_page_size():
+    with pytest.raises(ValueError, match="must divide the page size"):
+        dcp_compile.apply(_model(), 1, interleave=4)
+    model = MLAModel(preset("tiny"), kv_capacity=64, page_size=8)
+    dcp_compile.apply(model, 1, interleave=4)
+    assert model.kv_pool.interleave == 4
+
+
+def test_unknown_attention_strategy():
+    with pytest.raises(ValueError, match="attention_strategy"):
+        dcp_compile.apply(_model(), 1, attention_strategy="gather-all")

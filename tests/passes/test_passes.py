@@ -124,3 +124,22 @@ def test_rewritten_graph_is_well_typed(graph):
     for node in gm.graph.nodes:
         if node.op == "call_function":
             assert "val" in node.meta, node.format_node()
+
+
+def test_gather_kv_strategy_op_counts(graph):
+    gm, report, rec = run_passes(graph, dcp_size=2, attention_strategy="gather-kv")
+    assert report.sites("gather_kv_attention") == MLA_LAYERS and report.sites("rewrite_attention") == 0
+    after = rec.ops("verify", "after")
+    assert "dcp::mla_attention" not in after
+    assert after["dcp::gathered_kv_metadata"] == 1  # shared by all layers
+    assert after["dcp::gather_local_rows"] == MLA_LAYERS
+    assert after["_c10d_functional::all_gather_into_tensor"] == MLA_LAYERS
+    assert "_c10d_functional::all_to_all_single" not in after and "dcp::merge_partials" not in after
+    _, again, _ = run_passes(gm, dcp_size=2, attention_strategy="gather-kv")
+    assert again.sites("gather_kv_attention") == 0
+
+
+def test_metadata_check_once_per_graph(graph):
+    _, report, rec = run_passes(graph, dcp_size=2, debug_checks=True)
+    assert report.sites("check_metadata") == 1
+    assert rec.ops("verify", "after")["dcp::check_metadata"] == 1

@@ -1,0 +1,36 @@
+"""Verify and extend under DCP on gloo ranks, against dcp_size=1 in fp32 to 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcp_compile.scenario import Scenario, compare
+
+CASES = [
+    # Verify: k = 7 with scripted accept/reject (0..6 drafts accepted), then local lengths recomputed.
+    Scenario(mode="verify", dcp_size=2, tp_size=2, batch=3, contexts=(1, 5, 20), draft_len=7, steps=3, seed=5),
+    Scenario(mode="verify", dcp_size=4, tp_size=4, batch=2, contexts=(2, 9), draft_len=3, steps=2, seed=6),
+    Scenario(mode="verify", dcp_size=1, tp_size=2, batch=2, contexts=(2, 9), draft_len=4, steps=2, seed=6),
+    # Extend: chunked prefill over a sharded prefix, both strategies forced, and the cost model.
+    Scenario(mode="extend", dcp_size=2, tp_size=2, batch=3, contexts=(1, 40, 23), chunk=9, steps=1,
+             attention_strategy="gather-kv", seed=7),
+    Scenario(mode="extend", dcp_size=4, tp_size=4, batch=2, contexts=(3, 30), chunk=11, steps=1,
+             attention_strategy="gather-q", seed=8),
+    # Page-interleaved (I = page size = 4) with a shared prefix of two pages.
+    Scenario(mode="extend", dcp_size=2, tp_size=2, batch=3, contexts=(20, 14, 1), chunk=6, steps=2, interleave=4,
+             shared_prefix=8, seed=9),
+]
+
+
+@pytest.mark.parametrize(
+    "scenario", CASES,
+    ids=lambda s: f"{s.mode}-tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}-{s.attention_strategy}",
+)
+def test_mode_matches_dcp_size_one(scenario):
+    result = compare(scenario)
+    assert result["finite"]
+    assert result["max_abs_diff"] < 1e-5 and result["outputs_match"]
+    assert result["tokens_match"]
+    assert sum(result["tokens_stored_per_dcp_rank"]) == result["tokens_total"]
+    if scenario.dcp_size > 1 and scenario.attention_strategy != "auto":
+        assert set(result["strategy_counts"]) == {scenario.attention_strategy}

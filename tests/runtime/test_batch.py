@@ -1,0 +1,75 @@
+"""Request table: page allocation, accept/reject truncation, shared prefixes, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_compile.lowering.torch import reference
+from dcp_compile.runtime import layout
+from dcp_compile.runtime.batch import RequestTable, check_draft_len
+
+
+def test_local_lengths_follow_accept_reject():
+    """After rejected drafts, every rank's local length must count only the accepted tokens."""
+    table = RequestTable(2, 64, 256)
+    table.append(0, 13)
+    table.append(1, 3)
+    verify = table.extend_batch([0, 1], [[1] * 7, [2] * 7], all_logits=True)
+    assert verify.logits_index.tolist() == list(range(14))
+    rejected = table.req_to_token[0, 13 + 3 : 20].tolist() + table.req_to_token[1, 4:10].tolist()
+    table.truncate(0, 13 + 3)  # the last token and 2 drafts accepted
+    table.truncate(1, 3 + 1)  # no draft accepted
+    assert table.seq_lens.tolist() == [16, 4]
+    assert torch.all(table.req_to_token[0, 16:] == 0) and torch.all(table.req_to_token[1, 4:] == 0)
+    for dcp_size in (2, 4):
+        counts = [reference.local_metadata(table.req_to_token, table.seq_lens, r, dcp_size, 1)[1] for r in range(dcp_size)]
+        assert torch.stack(counts).sum(0).tolist() == [16, 4]
+    # The rejected drafts' locations are handed out again (overwritten), never read in between.
+    again = table.append(1, 4).tolist()
+    assert set(again) <= set(rejected)
+
+
+def test_pages_are_contiguous_and_owned_by_one_rank():
+    table = RequestTable(2, 64, 256, page_size=8)
+    locs = table.append(0, 20)
+    assert locs.tolist()[:8] == list(range(locs[0], locs[0] + 8)) and int(locs[0]) % 8 == 0
+    pages = locs.view(-1, 4)  # interleave 4 divides the page size: each run of 4 has one owner
+    owners = layout.owner(pages, 2, 4)
+    assert torch.all(owners == owners[:, :1])
+    assert 0 not in locs.tolist()
+
+
+def test_shared_prefix_pages_outlive_one_user():
+    table = RequestTable(2, 64, 64, page_size=4)
+    table.append(0, 10)
+    table.fork(0, 1, 8)
+    assert torch.equal(table.req_to_token[1, :8], table.req_to_token[0, :8])
+    free = table.free_locations()
+    table.truncate(0, 0)
+    assert table.free_locations() == free + 4  # only the unshared third page returns
+    table.truncate(1, 0)
+    assert table.free_locations() == free + 12
+    table.append(0, 6)
+    with pytest.raises(ValueError, match="whole pages"):
+        table.fork(0, 1, 6)
+
+
+def test_chunk_that_overflows_the_pool():
+    table = RequestTable(1, 512, 64)
+    with pytest.raises(MemoryError, match="overflows the KV pool"):
+        table.append(0, 100)
+    assert int(table.seq_lens[0]) == 0
+
+
+@pytest.mark.parametrize("k", [0, 17, -3])
+def test_draft_len_out_of_range(k):
+    with pytest.raises(ValueError, match=r"verify length k must be in \[1, 16\]"):
+        check_draft_len(k)
+
+
+def test_padded_rows_write_location_zero():
+    table = RequestTable(2, 16, 64)
+    batch = table.extend_batch([0], [[5, 6]], pad_rows=2)
+    assert batch.out_loc.tolist()[-2:] == [0, 0]
+    assert batch.seq_lens.tolist() == [2, 0, 0]
