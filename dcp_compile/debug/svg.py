@@ -41,7 +41,12 @@ class _NodeView:
     op: str
     target: str
     inputs: tuple[str, ...]
+    arguments: str
     value: str
+
+    def same_call(self, other: "_NodeView") -> bool:
+        """Same op on the same arguments: a change of recorded value alone is not a rewrite."""
+        return (self.op, self.target, self.arguments) == (other.op, other.target, other.arguments)
 
 
 def _target_name(node: fx.Node) -> str:
@@ -60,7 +65,7 @@ def _snapshot(gm: fx.GraphModule) -> dict[str, _NodeView]:
         qualified = f"{target.namespace}::{target._opname}" if hasattr(target, "_opname") else _target_name(node)
         value = node.meta.get("val", node.meta.get("example_value"))
         views[node.name] = _NodeView(node.op, qualified, tuple(n.name for n in node.all_input_nodes),
-                                     describe(value) if value is not None else "")
+                                     repr((node.args, node.kwargs)), describe(value) if value is not None else "")
     return views
 
 
@@ -126,20 +131,23 @@ class DotDump:
         before, after = self._before, _snapshot(gm)
         removed = set(before) - set(after)
         added = set(after) - set(before)
-        rewired = {n for n in set(before) & set(after) if before[n] != after[n]}
+        rewired = {n for n in set(before) & set(after) if not before[n].same_call(after[n])}
         folder = graph_folder(self.folder, graph_index)
         folder.mkdir(parents=True, exist_ok=True)
-        for when_, views, marks in (("before", before, {n: "#ff8787" for n in removed}),
-                                    ("after", after, {n: "#8ce99a" for n in added})):
+        for when_, views, gone, marks in (("before", before, added, {n: "#ff8787" for n in removed}),
+                                          ("after", after, removed, {n: "#8ce99a" for n in added})):
             marks.update({n: "#ffe066" for n in rewired})
-            if len(views) <= FULL_GRAPH_NODES:
+            if not (removed or added or rewired):
+                shown, scope = set(), f"no node changed ({len(views)} nodes)"
+            elif len(views) <= FULL_GRAPH_NODES:
                 shown, scope = None, f"all {len(views)} nodes"
             else:
-                shown = _neighbourhood(views, set(marks))
+                # The inputs of nodes that exist on the other side only, too: where they attach.
+                other = after if when_ == "before" else before
+                attach = {i for n in gone for i in other[n].inputs if i in views}
+                shown = _neighbourhood(views, set(marks)) | attach
                 scope = f"{len(shown)} of {len(views)} nodes: the ones this pass changed, with their inputs and users"
             title = f"{order:02d} {name} ({when_}): {scope}"
-            if shown is not None and not shown:
-                title = f"{order:02d} {name} ({when_}): no node changed ({len(views)} nodes)"
             path = folder / snapshot_name(order, name, when_, "dot")
             path.write_text(to_dot(views, marks, title, shown))
             self.written.append(path)
