@@ -24,13 +24,13 @@ def test_capacity_ratio_at_same_memory(dcp_size, floor):
 
 @pytest.mark.parametrize("dcp_size,interleave", [(2, 1), (4, 1), (4, 16), (3, 64)])
 def test_same_capacity_shrinks_rows_to_ceil(dcp_size, interleave):
-    capacity = 100_003
-    pool = MLAKVPool(2, capacity, kv_lora_rank=4, rope_dim=2)
+    capacity = 100_032  # whole pages of 64
+    pool = MLAKVPool(2, capacity, kv_lora_rank=4, rope_dim=2, page_size=interleave)
     pool.reshard(dcp_size, 0, interleave, keep="capacity")
     stride = dcp_size * interleave
     assert pool.rows_per_rank == -(-capacity // stride) * interleave
     assert pool.cache(1).shape == (pool.rows_per_rank, 6)
-    assert pool.report().rows_lost == pool.rows_per_rank * dcp_size - (capacity - 1)
+    assert pool.report().rows_lost == pool.rows_per_rank * dcp_size - (capacity - interleave)
 
 
 def test_unsupported_dtype_is_rejected():
@@ -44,3 +44,11 @@ def test_bad_reshard_arguments():
         pool.reshard(2, 2)
     with pytest.raises(ValueError, match="keep"):
         pool.reshard(2, 0, keep="everything")
+
+
+def test_interleave_must_divide_page_size():
+    pool = MLAKVPool(1, 64, 4, 2, page_size=8)
+    with pytest.raises(ValueError, match="must divide the page size 8"):
+        pool.reshard(2, 0, interleave=3)
+    pool.reshard(2, 0, interleave=8)
+    assert pool.report().usable_locations == 64 * 2 - 8  # the first page holds location 0
