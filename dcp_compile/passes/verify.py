@@ -30,6 +30,10 @@ def _same(expected, got) -> bool:
     return True
 
 
+# Impure only in that DCE must keep them in order: they return their input's metadata.
+_ORDERING_ONLY = (torch.ops._c10d_functional.wait_tensor.default, torch.ops._c10d_functional.wait_tensor)
+
+
 def _in_place(target) -> bool:
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
     return name.endswith("_") and not name.endswith("__")
@@ -37,8 +41,8 @@ def _in_place(target) -> bool:
 
 class _SharedFakeTensorProp(FakeTensorProp):
     """FakeTensorProp that reuses the result of an earlier node with the same op and the same
-    input metadata. Only pure call_function/call_method nodes with static shapes are reused;
-    placeholders, mutating, random and higher-order ops always run. A reused node records the
+    input metadata. Only pure call_function/call_method nodes with static shapes (and collective
+    waits) are reused; placeholders, mutating, random and higher-order ops always run. A reused node records the
     same fake value object as the node it repeats: fake values are read-only metadata, and a
     fresh snapshot per node would cost as much as the propagation it saves."""
 
@@ -50,7 +54,9 @@ class _SharedFakeTensorProp(FakeTensorProp):
     def _key(self, node: fx.Node):
         if node.op not in ("call_function", "call_method") or _in_place(node.target):
             return None
-        if isinstance(node.target, torch._ops.HigherOrderOperator) or node.is_impure():
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            return None
+        if node.is_impure() and node.target not in _ORDERING_ONLY:
             return None
 
         def input_signature(arg):
