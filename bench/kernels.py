@@ -8,7 +8,8 @@ Measures, in one run:
       batch: KV bytes read / time, and its fraction of (a). Each batch row has its own page table
       of distinct random rows of one large pool; small cases rotate through several page tables
       inside the timed graph, so no replay finds its KV in L2;
-  (c) pack + merge at batch 64, 32 heads per rank, N = 2, next to the torch reference.
+  (c) pack + merge at batch 64, 32 heads per rank, N = 2, next to the torch reference;
+  (d) the local metadata build of one decode step at batch 64, context 128k, N = 2.
 A short tiling sweep at the longest context follows, within --sweep-budget-s.
 
 Times are medians over replays of a CUDA graph holding `repeats` launches each, divided by
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -70,7 +72,7 @@ def require_cuda():
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("bench/kernels.py times compiled kernels: unset TRITON_INTERPRET")
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except ImportError:
         sys.exit("bench/kernels.py needs triton: pip install -e '.[triton]'")
     return torch
@@ -109,8 +111,6 @@ def copy_bandwidth(torch, gib: float, replays: int) -> dict:
     target = torch.empty_like(source)
     seconds = time_graph(torch, lambda i: target.copy_(source), 1, max(5, replays // 2))
     moved = 2 * source.numel() * source.element_size()
-    del source, target
-    torch.cuda.empty_cache()
     return {"buffer_bytes": moved // 2, "seconds": seconds, "bytes_per_s": moved / seconds}
 
 
@@ -214,6 +214,18 @@ def pack_merge(torch, replays: int, batch=64, heads=32, dcp_size=2) -> dict:
             "target_us": TARGET_PACK_MERGE_US, "met": both_s * 1e6 <= TARGET_PACK_MERGE_US}
 
 
+def metadata_build(torch, replays: int, batch=64, context=131072, dcp_size=2) -> dict:
+    """Local metadata for one decode step: built once per graph and shared by every layer."""
+    from dcp_compile.lowering.triton import metadata_builder
+
+    table = torch.randperm(batch * context * dcp_size, device="cuda")[:batch * context].view(batch, context).to(torch.int32) + 1
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    outputs = (torch.empty_like(table), torch.empty_like(seq_lens), torch.empty_like(table))
+    seconds = time_graph(torch, lambda i: metadata_builder.local_metadata_into(table, seq_lens, 0, dcp_size, 1, *outputs),
+                         4, replays)
+    return {"batch": batch, "context": context, "dcp_size": dcp_size, "us": seconds * 1e6}
+
+
 def print_table(result: dict) -> None:
     copy = result["copy"]["bytes_per_s"]
     print(f"\n{result['gpu']}: device-to-device copy {copy / 1e12:.2f} TB/s (read + write)")
@@ -234,6 +246,9 @@ def print_table(result: dict) -> None:
         print(f"\npack + merge (batch {pm['batch']}, {pm['heads_per_rank']} heads/rank, N={pm['dcp_size']}): "
               f"{pm['pack_merge_us']:.1f} us (pack {pm['pack_us']:.1f}, merge {pm['merge_us']:.1f}; "
               f"torch reference {pm['torch_reference_pack_merge_us']:.1f}); target <= {TARGET_PACK_MERGE_US} us")
+    md = result.get("local_metadata")
+    if md:
+        print(f"local metadata (batch {md['batch']}, context {md['context']}, N={md['dcp_size']}): {md['us']:.1f} us")
     for line in result["targets"]:
         print(line)
 
@@ -267,6 +282,7 @@ def main(argv=None) -> int:
     }
     try:
         result["copy"] = copy_bandwidth(torch, args.copy_gib, args.replays)
+        torch.cuda.empty_cache()  # the copy buffers are gone; the KV pool needs the room
         copy = result["copy"]["bytes_per_s"]
         max_rows = max(args.batches) * max(args.contexts)
         bench = AttentionBench(torch, max_rows, result["l2_bytes"], args.replays)
@@ -296,6 +312,7 @@ def main(argv=None) -> int:
         del bench
         torch.cuda.empty_cache()
         result["pack_merge"] = pack_merge(torch, args.replays)
+        result["local_metadata"] = metadata_build(torch, args.replays)
     except Exception as error:
         result["error"] = f"{type(error).__name__}: {error}"
         raise

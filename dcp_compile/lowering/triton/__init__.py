@@ -11,6 +11,10 @@ Each launcher has the signature and return values of the matching function in
     pack_partials(out, lse, dcp_size) -> packed
     merge_partials(packed, kv_lora_rank) -> merged
 
+The launchers that allocate outputs also come as `*_into` variants in their modules, writing into
+given buffers (the static buffers of a captured graph); `attention.partial_attention_into` also
+takes an explicit `AttentionTiling` (benchmarks sweep it) and split workspace.
+
 Triton is imported only when a launcher is first looked up, so `import dcp_compile` works where
 triton is not installed; `available()` says whether it is.
 """
