@@ -1,0 +1,168 @@
+"""Pass-pipeline speed on the Kimi-K2 decode graph, captured with shapes only.
+
+For each DCP size (TP = DCP) and layer count, the graph is captured once with meta weights and a
+fake process group (dcp_compile.debug.fake_capture, as `dcp-compile dump` does), then the whole
+default pass pipeline runs on fresh copies of it `--repeats` times. Reported per configuration:
+the median wall time of PassManager.run (all passes, plus the manager's own op counting and
+recompiles), the median of each pass, nodes before and after, and MLA sites rewritten.
+
+Goal: under 1 s for all passes at 61 layers, and linear in the number of layers (a least-squares
+line through the layer counts, with its R^2, and the cost per layer at each size).
+
+    python bench/pass_pipeline.py                     # 8, 16, 32, 61 layers at DCP 2 and 8
+    python bench/pass_pipeline.py --profile           # also: where the time goes at 61 layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import gc
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from dcp_compile.debug.fake_capture import GraphSpec, capture
+from dcp_compile.passes.manager import PassManager
+
+GOAL_SECONDS = 1.0
+RESULTS = Path(__file__).parent / "results" / "pass_pipeline.json"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def time_pipeline(gm, spec: GraphSpec, repeats: int) -> dict:
+    walls, per_pass, report = [], {}, None
+    for _ in range(repeats):
+        graph = copy.deepcopy(gm)
+        gc.collect()
+        start = time.perf_counter()
+        report = PassManager(spec.pass_config()).run(graph)
+        walls.append(time.perf_counter() - start)
+        for record in report.records:
+            per_pass.setdefault(record.name, []).append(record.milliseconds)
+    first, last = report.records[0], report.records[-1]
+    return {
+        "median_ms": statistics.median(walls) * 1e3,
+        "min_ms": min(walls) * 1e3,
+        "max_ms": max(walls) * 1e3,
+        "runs_ms": [round(w * 1e3, 1) for w in walls],
+        "pass_median_ms": {name: round(statistics.median(ms), 2) for name, ms in per_pass.items()},
+        "nodes_before": first.nodes_before,
+        "nodes_after": last.nodes_after,
+        "mla_sites_rewritten": report.sites("rewrite_attention") + report.sites("gather_kv_attention"),
+    }
+
+
+def linear_fit(points: list[tuple[int, float]]) -> dict:
+    """Least-squares ms = intercept + slope * layers, with R^2."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
+    intercept = mean_y - slope * mean_x
+    total = sum((y - mean_y) ** 2 for y in ys)
+    residual = sum((y - intercept - slope * x) ** 2 for x, y in points)
+    return {"ms_per_layer": round(slope, 3), "intercept_ms": round(intercept, 2),
+            "r_squared": round(1 - residual / total, 4) if total else 1.0}
+
+
+def profile_top(gm, spec: GraphSpec, lines: int = 25) -> str:
+    graph = copy.deepcopy(gm)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    PassManager(spec.pass_config()).run(graph)
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(lines)
+    return out.getvalue()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="kimi-k2")
+    parser.add_argument("--layers", type=_ints, default=[8, 16, 32, 61], help="comma list (default 8,16,32,61)")
+    parser.add_argument("--dcp", type=_ints, default=[2, 8], help="comma list of DCP sizes, TP = DCP (default 2,8)")
+    parser.add_argument("--repeats", type=int, default=5, help="pipeline runs per configuration (median)")
+    parser.add_argument("--batch", type=int, default=4, help="decode requests (default 4)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of one run at the largest size")
+    args = parser.parse_args(argv)
+
+    console = Console(width=max(Console().width, 120))
+    load_before = os.getloadavg()
+    rows = []
+    for dcp in args.dcp:
+        for layers in args.layers:
+            spec = GraphSpec(model=args.model, layers=layers, dcp_size=dcp, tp_size=dcp, mode="decode", batch=args.batch)
+            captured = capture(spec)
+            timing = time_pipeline(captured.gm, spec, args.repeats)
+            rows.append({"dcp_size": dcp, "tp_size": dcp, "layers": layers,
+                         "capture_seconds": round(captured.seconds, 2), **timing})
+            console.print(f"DCP {dcp} x TP {dcp}, {layers} layers: {timing['median_ms']:.0f} ms "
+                          f"(capture {captured.seconds:.1f} s)")
+            if args.profile and dcp == args.dcp[-1] and layers == max(args.layers):
+                console.print(profile_top(captured.gm, spec))
+            del captured
+    fits = {str(dcp): linear_fit([(r["layers"], r["median_ms"]) for r in rows if r["dcp_size"] == dcp])
+            for dcp in args.dcp}
+
+    table = Table(title=f"pass pipeline, {args.model} decode graph (batch {args.batch}), median of {args.repeats}")
+    for column in ("DCP x TP", "layers", "nodes before -> after", "MLA sites", "all passes ms", "ms / layer",
+                   "verify ms", "rewrite_attention ms", "capture s"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(f"{r['dcp_size']} x {r['tp_size']}", str(r["layers"]), f"{r['nodes_before']} -> {r['nodes_after']}",
+                      str(r["mla_sites_rewritten"]), f"{r['median_ms']:.0f}", f"{r['median_ms'] / r['layers']:.1f}",
+                      f"{r['pass_median_ms'].get('verify', 0):.0f}", f"{r['pass_median_ms'].get('rewrite_attention', 0):.0f}",
+                      f"{r['capture_seconds']:.1f}")
+    console.print(table)
+    largest = max(args.layers)
+    goal = {}
+    for dcp in args.dcp:
+        at_largest = next(r for r in rows if r["dcp_size"] == dcp and r["layers"] == largest)
+        goal[str(dcp)] = {"layers": largest, "median_ms": round(at_largest["median_ms"], 1),
+                          "under_1s": at_largest["median_ms"] < GOAL_SECONDS * 1e3}
+        fit = fits[str(dcp)]
+        console.print(f"DCP {dcp}: {largest} layers in {at_largest['median_ms']:.0f} ms "
+                      f"({'meets' if goal[str(dcp)]['under_1s'] else 'MISSES'} the < 1 s goal); linear fit "
+                      f"{fit['ms_per_layer']:.2f} ms/layer + {fit['intercept_ms']:.0f} ms, R^2 = {fit['r_squared']:.3f}")
+
+    result = {
+        "benchmark": "pass_pipeline",
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_1_5_15_before": [round(v, 2) for v in load_before],
+                    "load_average_1_5_15_after": [round(v, 2) for v in os.getloadavg()]},
+        "torch": torch.__version__,
+        "model": args.model,
+        "mode": "decode",
+        "batch": args.batch,
+        "repeats": args.repeats,
+        "metric": "wall time of PassManager.run over the default pipeline on a fresh copy of the graph",
+        "goal": {"seconds": GOAL_SECONDS, "per_dcp": goal},
+        "linear_fit": fits,
+        "rows": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()} for r in rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    console.print(f"wrote {args.out}")
+    return 0 if all(g["under_1s"] for g in goal.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
