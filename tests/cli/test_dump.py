@@ -76,7 +76,8 @@ def test_html_is_self_contained_and_shows_every_pass(tiny_html):
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     for name in PASS_NAMES:
         assert f"<code>{name}</code>" in page, name
-    assert 'id="pass-04-change"' in page  # rewrite_attention's first change, linked from the page
+    order = PASS_NAMES.index("rewrite_attention")
+    assert f'id="pass-{order:02d}-change"' in page  # its first change, linked from the page
     assert "<script" not in page and "<link" not in page and "http://" not in page and "https://" not in page
 
 
