@@ -24,6 +24,7 @@ def pass_config(config: DCPConfig, parallel: ParallelState, strategy: str) -> Pa
         dcp_group_name=parallel.dcp_group_name,
         debug_checks=config.debug_checks,
         attention_strategy=strategy,
+        kernels=config.kernels,
     )
 
 

@@ -51,6 +51,8 @@ class Scenario:
     attention_strategy: str = "auto"
     shared_prefix: int = 0
     """Request 1 shares request 0's first tokens (their page-table rows share locations)."""
+    kernels: str = "auto"
+    """Kernels of the DCP model ('torch', 'triton' or 'auto'); the baseline uses the reference."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -157,7 +159,8 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         model = MLAModel(cfg, kv_capacity=scenario.kv_rows, max_requests=scenario.batch, par=tp,
                          seed=scenario.seed, page_size=scenario.pages)
         return api.apply(model, dcp_size, interleave=scenario.interleave if dcp_size > 1 else 1,
-                         debug_checks=scenario.debug_checks, attention_strategy=scenario.attention_strategy)
+                         debug_checks=scenario.debug_checks, attention_strategy=scenario.attention_strategy,
+                         kernels=scenario.kernels if dcp_size > 1 else "torch")
 
     start = time.perf_counter()
     drivers = [Driver(make(1), scenario, cfg.vocab_size), Driver(make(scenario.dcp_size), scenario, cfg.vocab_size)]

@@ -19,6 +19,8 @@ class PassConfig:
     attention_strategy: str = "gather-q"
     """How attention reaches the sharded KV: 'gather-q' (Q all-gather, partial attention, LSE
     merge) or 'gather-kv' (all-gather this batch's KV rows, attend with local heads)."""
+    kernels: str = "auto"
+    """'torch' reference kernels, 'triton' kernels, or 'auto' (triton where the KV cache is on CUDA)."""
 
 
 class GraphPass:

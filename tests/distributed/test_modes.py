@@ -19,12 +19,15 @@ CASES = [
     # Page-interleaved (I = page size = 4) with a shared prefix of two pages.
     Scenario(mode="extend", dcp_size=2, tp_size=2, batch=3, contexts=(20, 14, 1), chunk=6, steps=2, interleave=4,
              shared_prefix=8, seed=9),
+    # The DCP model on the Triton kernels (interpreted on CPU), against the reference baseline.
+    Scenario(mode="verify", dcp_size=2, tp_size=2, batch=2, contexts=(1, 12), draft_len=3, steps=1, seed=10,
+             kernels="triton", attention_strategy="gather-q"),
 ]
 
 
 @pytest.mark.parametrize(
     "scenario", CASES,
-    ids=lambda s: f"{s.mode}-tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}-{s.attention_strategy}",
+    ids=lambda s: f"{s.mode}-tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}-{s.attention_strategy}-{s.kernels}",
 )
 def test_mode_matches_dcp_size_one(scenario):
     result = compare(scenario)
