@@ -68,6 +68,12 @@ class DCPModel(nn.Module):
         self._compiled = {name: torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
                           for name, backend in state.backends.items()}
 
+    def compiled(self, strategy: str = "gather-q"):
+        """The compiled step of one strategy, for callers that fix it (CUDA-graph capture)."""
+        if strategy not in self._compiled:
+            raise ValueError(f"no {strategy!r} variant; this model has {sorted(self._compiled)}")
+        return self._compiled[strategy]
+
     def forward(self, *args, **kwargs):
         decision = self._decide(args, kwargs)
         self.dcp_state.strategy_counts[decision.strategy] += 1

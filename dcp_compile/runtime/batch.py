@@ -34,8 +34,44 @@ class ForwardBatch:
     def args(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
 
-    def to(self, device) -> "ForwardBatch":
-        return ForwardBatch(*(t.to(device) for t in self.args()))
+    def to(self, device, non_blocking: bool = False) -> "ForwardBatch":
+        return ForwardBatch(*(t.to(device, non_blocking=non_blocking) for t in self.args()))
+
+    @classmethod
+    def empty(cls, width: int) -> "ForwardBatch":
+        """Zero rows over a page table `width` wide; padded(), it is a batch that touches nothing."""
+        zero = torch.zeros(0, dtype=torch.int64)
+        return cls(zero, zero, zero, zero, torch.zeros(0, width, dtype=torch.int64), zero, zero, zero)
+
+    @property
+    def rows(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def padded(self, rows: int, tokens_per_row: int) -> "ForwardBatch":
+        """This batch (rows x tokens_per_row tokens, logits for every token or each row's last)
+        grown to `rows` rows. Padded tokens write to location 0 and see no key."""
+        if rows < self.rows:
+            raise ValueError(f"cannot pad a batch of {self.rows} rows to {rows}")
+        if self.input_ids.shape[0] != self.rows * tokens_per_row:
+            raise ValueError(f"batch has {self.input_ids.shape[0]} tokens, not {self.rows} rows x {tokens_per_row}")
+        tokens, device = rows * tokens_per_row, self.input_ids.device
+        all_logits = self.logits_index.shape[0] == self.input_ids.shape[0]
+
+        def grow(t, length, fill=0):
+            out = torch.full((length,) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+            out[: t.shape[0]] = t
+            return out
+
+        q_seq_ids = grow(self.q_seq_ids, tokens)
+        q_seq_ids[self.input_ids.shape[0] :] = torch.arange(self.rows, rows, device=device).repeat_interleave(tokens_per_row)
+        logits_index = grow(self.logits_index, tokens if all_logits else rows)
+        padded_first = torch.arange(self.input_ids.shape[0], tokens, device=device)
+        logits_index[self.logits_index.shape[0] :] = padded_first if all_logits else padded_first[tokens_per_row - 1 :: tokens_per_row]
+        return ForwardBatch(
+            input_ids=grow(self.input_ids, tokens), positions=grow(self.positions, tokens), q_seq_ids=q_seq_ids,
+            out_loc=grow(self.out_loc, tokens), req_to_token=grow(self.req_to_token, rows), seq_lens=grow(self.seq_lens, rows),
+            state_slots=grow(self.state_slots, rows), logits_index=logits_index,
+        )
 
 
 MAX_DRAFT_LEN = 16
