@@ -47,6 +47,7 @@ def register(sub) -> None:
     p.add_argument("--chunk", type=int, default=64, help="extend: new tokens per request (default 64)")
     p.add_argument("--context", type=int, default=256, help="tokens cached per request before the step (default 256)")
     p.add_argument("--interleave", type=int, default=1, help="interleave size I (default 1)")
+    p.add_argument("--page-size", type=int, default=None, help="KV page size (default: the interleave size)")
     p.add_argument("--dtype", default="bfloat16", help=f"{', '.join(DTYPES)} (default bfloat16)")
     p.add_argument("--debug-checks", action="store_true", help="also run the debug-check passes")
     p.set_defaults(handler=run)
@@ -76,7 +77,7 @@ def _command(args) -> str:
     """The dump command that reproduces this run, every option spelled out."""
     parts = ["dcp-compile", "dump"]
     for option in ("model", "layers", "dcp_size", "tp_size", "mode", "batch", "draft_len", "chunk", "context",
-                   "interleave", "dtype", "format", "only", "out"):
+                   "interleave", "page_size", "dtype", "format", "only", "out"):
         value = getattr(args, option)
         if value is not None:
             parts += [f"--{option.replace('_', '-')}", str(value)]
@@ -111,7 +112,7 @@ def run(args) -> int:
         raise ValueError(f"unknown format {fmt!r}; choose one of {list(FORMATS)}")
     spec = GraphSpec(model=args.model, layers=args.layers, dcp_size=args.dcp_size, tp_size=args.tp_size,
                      mode=args.mode, batch=args.batch, draft_len=args.draft_len, chunk=args.chunk,
-                     context=args.context, interleave=args.interleave, dtype=args.dtype,
+                     context=args.context, interleave=args.interleave, page_size=args.page_size, dtype=args.dtype,
                      debug_checks=args.debug_checks)
     _check_names(args.only, args.disable)
     if fmt == "svg":

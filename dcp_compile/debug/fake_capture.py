@@ -64,6 +64,8 @@ class GraphSpec:
     """Tokens already cached for each request before this step."""
     interleave: int = 1
     """I, the interleave size the passes use."""
+    page_size: int | None = None
+    """KV page size of the pool and request table; None means the interleave size."""
     dtype: str = "bfloat16"
     """Weights and KV cache dtype: float32, bfloat16 or float16."""
     debug_checks: bool = False
@@ -75,11 +77,14 @@ class GraphSpec:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {list(MODES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPES)}")
-        for name in ("batch", "draft_len", "chunk", "interleave", "dcp_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name, value in (("batch", self.batch), ("draft-len", self.draft_len), ("chunk", self.chunk),
+                            ("interleave", self.interleave), ("dcp-size", self.dcp_size), ("page-size", self.page)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.context < 0:
             raise ValueError(f"context must be >= 0, got {self.context}")
+        if self.page % self.interleave:
+            raise ValueError(f"interleave size {self.interleave} must divide the page size {self.page}")
         tp = self.tp
         allowed = allowed_tp_sizes(cfg)
         if tp not in allowed:
@@ -89,6 +94,10 @@ class GraphSpec:
                 f"MLP width {cfg.intermediate_size}); allowed tp sizes: {allowed}"
             )
         parallel.validate_sizes(tp, self.dcp_size, tp)
+
+    @property
+    def page(self) -> int:
+        return self.interleave if self.page_size is None else self.page_size
 
     @property
     def tp(self) -> int:
@@ -118,7 +127,8 @@ class GraphSpec:
 
     def describe(self) -> str:
         cfg = self.model_config()
-        return (f"{self.model}, {cfg.num_layers} layers ({cfg.num_mla_layers} MLA), {self.mode}: "
+        layers = f"{cfg.num_layers} layer{'s' if cfg.num_layers != 1 else ''}"
+        return (f"{self.model}, {layers} ({cfg.num_mla_layers} MLA), {self.mode}: "
                 f"{self.batch} x {self.new_tokens} tokens over {self.context} cached, "
                 f"DCP {self.dcp_size} x TP {self.tp}, {self.dtype}")
 
@@ -148,13 +158,14 @@ def capture(spec: GraphSpec) -> CapturedGraph:
     start = time.perf_counter()
     cfg = spec.model_config()
     per_request = spec.context + spec.new_tokens
-    capacity = spec.batch * per_request + 1
+    pages_per_request = -(-per_request // spec.page)
+    capacity = (spec.batch * pages_per_request + 1) * spec.page  # page 0 holds the reserved location 0
     model = MLAModel(cfg, kv_capacity=capacity, max_requests=spec.batch, par=spec.parallel_state(),
-                     dtype=DTYPES[spec.dtype], device="meta")
+                     dtype=DTYPES[spec.dtype], device="meta", page_size=spec.page)
     if spec.dcp_size > 1 and model.kv_pool is not None:
         # As apply() does: the cache the passes see is this rank's shard.
         model.kv_pool.reshard(spec.dcp_size, 0, spec.interleave)
-    table = RequestTable(spec.batch, per_request, capacity)
+    table = RequestTable(spec.batch, per_request, capacity, page_size=spec.page)
     requests = list(range(spec.batch))
     if spec.context:
         for request in requests:

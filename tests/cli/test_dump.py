@@ -95,6 +95,13 @@ def test_summary_table_printed(tmp_path, capsys):
     assert len(json.loads((out / "graph00" / REPORT_JSON).read_text())["passes"]) == len(PASS_NAMES)
 
 
+def test_verbose_logs_through_the_dcp_compile_loggers(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="dcp_compile"):
+        assert main(["-v", "dump", "--model", "tiny", "--layers", "1", "--out", str(tmp_path)]) == 0
+    names = {record.name for record in caplog.records}
+    assert {"dcp_compile.cli.dump", "dcp_compile.passes", "dcp_compile.debug"} <= names
+
+
 def test_disable_leaves_attention_unrewritten(tmp_path, capsys):
     code, out = dump(tmp_path, "--model", "tiny", "--layers", "1", "--disable", "rewrite_attention")
     assert code == 0
@@ -107,6 +114,7 @@ def test_disable_leaves_attention_unrewritten(tmp_path, capsys):
 @pytest.mark.parametrize("mode, options, tokens", [
     ("verify", ["--batch", "2", "--draft-len", "3"], 6),
     ("extend", ["--batch", "2", "--chunk", "5", "--context", "7"], 10),
+    ("extend", ["--batch", "2", "--chunk", "3", "--interleave", "4", "--debug-checks"], 6),
 ])
 def test_modes_shape_the_batch(tmp_path, mode, options, tokens):
     code, out = dump(tmp_path, "--model", "tiny", "--layers", "1", "--mode", mode, *options)
@@ -144,6 +152,7 @@ def test_svg_without_dot_is_a_clear_error(tmp_path, capsys, monkeypatch):
     (["--dcp-size", "4", "--tp-size", "2"], "dcp_size 4 must divide tp_size 2"),
     (["--model", "kimi-k2", "--dcp-size", "3", "--tp-size", "6"], "tp_size 6 does not split model kimi-k2 (64 attention heads"),
     (["--batch", "0"], "batch must be >= 1"),
+    (["--interleave", "4", "--page-size", "6"], "interleave size 4 must divide the page size 6"),
     (["--layers", "0"], "num_layers must be >= 1"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, capsys, options, message):
