@@ -39,8 +39,10 @@ class WeightFactory:
         if self.device.type == "meta":
             full = torch.empty(*shape, device="meta")
         else:
-            gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-            full = torch.randn(*shape, generator=gen) / math.sqrt(fan_in)
+            # Generated where the weights live: full-size layers on a GPU take milliseconds, not
+            # minutes on the host. A given seed gives the same weights on one device type.
+            gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.randn(*shape, generator=gen, device=self.device) / math.sqrt(fan_in)
         if shard_dim is not None:
             full = full.chunk(tp_size, dim=shard_dim)[tp_rank]
         return nn.Parameter(full.to(device=self.device, dtype=self.dtype).contiguous(), requires_grad=False)
