@@ -52,7 +52,10 @@ class Scenario:
     shared_prefix: int = 0
     """Request 1 shares request 0's first tokens (their page-table rows share locations)."""
     kernels: str = "auto"
-    """Kernels of the DCP model ('torch', 'triton' or 'auto'); the baseline uses the reference."""
+    """Kernels of the DCP model ('torch', 'triton' or 'auto'); the baseline uses the reference on CPU."""
+    device: str = "cpu"
+    """'cpu' (gloo ranks) or 'cuda' (one GPU per rank, NCCL)."""
+    dtype: str = "float32"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -105,7 +108,7 @@ class Driver:
 
     def _step(self, requests, tokens, all_logits=False):
         batch = self.table.extend_batch(requests, tokens, pad_rows=self.scenario.pad_rows, all_logits=all_logits)
-        out = self.model(*batch.args())
+        out = self.model(*batch.to(self.scenario.device).args())
         self.logits.append(out)
         return out
 
@@ -151,16 +154,18 @@ class Driver:
 
 def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
     torch.manual_seed(scenario.seed)
+    device = torch.device(scenario.device, rank) if scenario.device == "cuda" else torch.device("cpu")
     cfg = scenario.model_config()
     tp = parallel.build(scenario.tp_size, 1)
     prompts = _prompts(scenario, cfg.vocab_size)
 
     def make(dcp_size: int):
         model = MLAModel(cfg, kv_capacity=scenario.kv_rows, max_requests=scenario.batch, par=tp,
-                         seed=scenario.seed, page_size=scenario.pages)
+                         seed=scenario.seed, page_size=scenario.pages, device=device, dtype=getattr(torch, scenario.dtype))
+        baseline_kernels = "torch" if scenario.device == "cpu" else "auto"
         return api.apply(model, dcp_size, interleave=scenario.interleave if dcp_size > 1 else 1,
                          debug_checks=scenario.debug_checks, attention_strategy=scenario.attention_strategy,
-                         kernels=scenario.kernels if dcp_size > 1 else "torch")
+                         kernels=scenario.kernels if dcp_size > 1 else baseline_kernels)
 
     start = time.perf_counter()
     drivers = [Driver(make(1), scenario, cfg.vocab_size), Driver(make(scenario.dcp_size), scenario, cfg.vocab_size)]
@@ -178,6 +183,7 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         "rank": rank,
         "tokens_match": base.generated == dcp.generated,
         "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(base.logits, dcp.logits)),
+        "max_rel_diff": max(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(base.logits, dcp.logits)),
         "finite": all(bool(torch.isfinite(x).all()) for x in base.logits + dcp.logits),
         "tokens_stored": int((owners == state.parallel.dcp_rank).sum()),
         "tokens_total": int(used.numel()),
@@ -193,7 +199,7 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
 
 def compare(scenario: Scenario) -> dict:
     """Spawn tp_size CPU ranks (gloo), run the comparison, and summarise all ranks."""
-    ranks = spawn(run_on_rank, scenario.tp_size, scenario)
+    ranks = spawn(run_on_rank, scenario.tp_size, scenario, backend="nccl" if scenario.device == "cuda" else "gloo")
     head = ranks[0]
     max_abs_diff = max(r["max_abs_diff"] for r in ranks)
     return {
@@ -207,6 +213,7 @@ def compare(scenario: Scenario) -> dict:
         "tokens_match": all(r["tokens_match"] for r in ranks),
         "outputs_match": max_abs_diff < TOLERANCE,
         "max_abs_diff": max_abs_diff,
+        "max_rel_diff": max(r["max_rel_diff"] for r in ranks),
         "finite": all(r["finite"] for r in ranks),
         "kv_capacity_ratio": head["capacity"]["capacity_ratio"],
         "kv_rows_per_rank": head["capacity"]["rows_per_rank"],

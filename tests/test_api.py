@@ -108,3 +108,22 @@ def test_interleave_must_divide_page_size():
 def test_unknown_attention_strategy():
     with pytest.raises(ValueError, match="attention_strategy"):
         dcp_compile.apply(_model(), 1, attention_strategy="gather-all")
+
+
+def test_graph_runner_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from dcp_compile.runtime.graph_runner import GraphRunner
+
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        GraphRunner(lambda *a: None)
+
+
+def test_nccl_without_gpu_is_a_clear_error(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from dcp_compile.runtime.launch import init_from_env
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="no CUDA GPU or NCCL"):
+        init_from_env("nccl")

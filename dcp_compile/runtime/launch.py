@@ -20,6 +20,8 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         results[rank] = ("ok", fn(rank, world_size, *args))
