@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dcp_compile.debug import dump as text_dump
-from dcp_compile.debug.fake_capture import DTYPES, MODES, GraphSpec, capture
+from dcp_compile.debug.fake_capture import ATTENTION_STRATEGIES, DTYPES, MODES, GraphSpec, capture
 from dcp_compile.models.config import PRESETS
 from dcp_compile.passes.manager import PASS_NAMES, PassManager, check_pass_names
 
@@ -49,6 +49,8 @@ def register(sub) -> None:
     p.add_argument("--interleave", type=int, default=1, help="interleave size I (default 1)")
     p.add_argument("--page-size", type=int, default=None, help="KV page size (default: the interleave size)")
     p.add_argument("--dtype", default="bfloat16", help=f"{', '.join(DTYPES)} (default bfloat16)")
+    p.add_argument("--attention-strategy", default="gather-q",
+                   help=f"{', '.join(ATTENTION_STRATEGIES)}: which DCP attention rewrite runs (default gather-q)")
     p.add_argument("--debug-checks", action="store_true", help="also run the debug-check passes")
     p.set_defaults(handler=run)
 
@@ -77,7 +79,7 @@ def _command(args) -> str:
     """The dump command that reproduces this run, every option spelled out."""
     parts = ["dcp-compile", "dump"]
     for option in ("model", "layers", "dcp_size", "tp_size", "mode", "batch", "draft_len", "chunk", "context",
-                   "interleave", "page_size", "dtype", "format", "only", "out"):
+                   "interleave", "page_size", "dtype", "attention_strategy", "format", "only", "out"):
         value = getattr(args, option)
         if value is not None:
             parts += [f"--{option.replace('_', '-')}", str(value)]
@@ -113,7 +115,7 @@ def run(args) -> int:
     spec = GraphSpec(model=args.model, layers=args.layers, dcp_size=args.dcp_size, tp_size=args.tp_size,
                      mode=args.mode, batch=args.batch, draft_len=args.draft_len, chunk=args.chunk,
                      context=args.context, interleave=args.interleave, page_size=args.page_size, dtype=args.dtype,
-                     debug_checks=args.debug_checks)
+                     debug_checks=args.debug_checks, attention_strategy=args.attention_strategy)
     _check_names(args.only, args.disable)
     if fmt == "svg":
         from dcp_compile.debug.svg import require_dot

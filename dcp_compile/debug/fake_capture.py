@@ -28,6 +28,7 @@ from dcp_compile.runtime import parallel
 from dcp_compile.runtime.batch import RequestTable
 
 MODES = ("decode", "verify", "extend")
+ATTENTION_STRATEGIES = ("gather-q", "gather-kv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAKE_TP_GROUP, FAKE_DCP_GROUP = "fake-tp-group", "fake-dcp-group"
 
@@ -70,11 +71,15 @@ class GraphSpec:
     """Weights and KV cache dtype: float32, bfloat16 or float16."""
     debug_checks: bool = False
     """Run the debug-check passes (check_locations, ...) too."""
+    attention_strategy: str = "gather-q"
+    """How attention reaches the sharded KV: gather-q (rewrite_attention) or gather-kv (gather_kv_attention)."""
 
     def __post_init__(self) -> None:
         cfg = self.model_config()
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {list(MODES)}")
+        if self.attention_strategy not in ATTENTION_STRATEGIES:
+            raise ValueError(f"unknown attention strategy {self.attention_strategy!r}; choose one of {list(ATTENTION_STRATEGIES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPES)}")
         for name, value in (("batch", self.batch), ("draft-len", self.draft_len), ("chunk", self.chunk),
@@ -123,7 +128,7 @@ class GraphSpec:
     def pass_config(self) -> PassConfig:
         return PassConfig(dcp_size=self.dcp_size, dcp_rank=0, interleave=self.interleave,
                           dcp_group_name=FAKE_DCP_GROUP if self.dcp_size > 1 else None,
-                          debug_checks=self.debug_checks)
+                          debug_checks=self.debug_checks, attention_strategy=self.attention_strategy)
 
     def describe(self) -> str:
         cfg = self.model_config()

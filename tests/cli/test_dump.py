@@ -111,6 +111,15 @@ def test_disable_leaves_attention_unrewritten(tmp_path, capsys):
     assert "MLA sites rewritten: 0 of 1" in capsys.readouterr().out
 
 
+def test_gather_kv_strategy(tmp_path):
+    code, out = dump(tmp_path, "--model", "tiny", "--mode", "extend", "--chunk", "8", "--attention-strategy", "gather-kv")
+    assert code == 0
+    report = {p["name"]: p for p in json.loads((out / "graph00" / REPORT_JSON).read_text())["passes"]}
+    assert not report["rewrite_attention"]["ran"] and report["gather_kv_attention"]["sites"] == MLA_LAYERS
+    assert report["gather_kv_attention"]["op_diff"]["dcp::mla_attention"] == {"before": MLA_LAYERS, "after": 0}
+    assert json.loads((out / "dump.json").read_text())["mla_sites_rewritten"] == MLA_LAYERS
+
+
 @pytest.mark.parametrize("mode, options, tokens", [
     ("verify", ["--batch", "2", "--draft-len", "3"], 6),
     ("extend", ["--batch", "2", "--chunk", "5", "--context", "7"], 10),
@@ -145,6 +154,7 @@ def test_svg_without_dot_is_a_clear_error(tmp_path, capsys, monkeypatch):
     (["--model", "llama"], "unknown model 'llama'; choose one of"),
     (["--mode", "prefill"], "unknown mode 'prefill'; choose one of ['decode', 'verify', 'extend']"),
     (["--format", "pdf"], "unknown format 'pdf'; choose one of ['text', 'html', 'svg']"),
+    (["--attention-strategy", "ring"], "unknown attention strategy 'ring'; choose one of ['gather-q', 'gather-kv']"),
     (["--disable", "no_such_pass"], "unknown pass name(s) ['no_such_pass']; passes are"),
     (["--only", "no_such_pass"], "unknown pass name 'no_such_pass' for --only; passes are"),
     (["--disable", "verify"], "cannot be disabled"),
