@@ -46,7 +46,7 @@ def _keys_per_split(seq_len, width, num_splits, BLOCK_N: tl.constexpr):
     return length, tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "heads", "width", "num_splits", "head_tiles"])
 def _attend_splits_kernel(
     q_latent_ptr, q_rope_ptr, kv_cache_ptr, page_table_ptr, seq_lens_ptr, key_positions_ptr,
     q_seq_ids_ptr, q_positions_ptr, split_out_ptr, split_lse_ptr,
@@ -131,7 +131,7 @@ def _attend_splits_kernel(
                      split_lse, mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "width", "num_splits"])
 def _merge_splits_kernel(
     split_out_ptr, split_lse_ptr, seq_lens_ptr, q_seq_ids_ptr, out_ptr, lse_ptr,
     tokens, heads, width, num_splits,

@@ -14,7 +14,7 @@ from dcp_compile.lowering.triton.launching import block_size, check_float, check
 from dcp_compile.runtime import layout
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "dcp_rank"])
 def _kv_write_kernel(
     kv_cache_ptr, latent_ptr, rope_ptr, loc_ptr,
     tokens, dcp_rank, dcp_size, interleave,

@@ -3,6 +3,9 @@
 Grids follow the rules that let one source run on CUDA and triton-ascend: at most
 MAX_PROGRAMS programs in all (the Ascend limit), one grid axis, kernels loop over their work
 items with a stride of the grid size, and an empty problem returns before any launch.
+
+Sizes that change from step to step (tokens, batch, widths, split counts, the rank) are marked
+`do_not_specialize` on each kernel, so a new batch size does not compile a new variant.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dcp_compile.lowering.triton.lse_packing import load_lse_words
 from dcp_compile.lowering.triton.pack import NUM_WARPS, rows_per_program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _merge_partials_kernel(
     packed_ptr, merged_ptr,
     tokens, heads, dcp_size,

@@ -20,7 +20,7 @@ from dcp_compile.runtime import layout
 _MAX_BLOCK_COLUMNS = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "width", "dcp_rank"])
 def _local_metadata_kernel(
     req_to_token_ptr, seq_lens_ptr,
     local_req_to_token_ptr, local_seq_lens_ptr, local_positions_ptr,

@@ -21,7 +21,7 @@ ELEMENTS_PER_PROGRAM = 2048
 NUM_WARPS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _pack_partials_kernel(
     out_ptr, lse_ptr, packed_ptr,
     tokens, heads, dcp_size,
