@@ -70,10 +70,12 @@ def parse_args(argv=None):
 class Timer:
     """Median seconds per call: CUDA-graph replays timed with events, or host time on CPU."""
 
-    def __init__(self, device: torch.device, replays: int):
-        self.device, self.replays = device, replays
+    def __init__(self, device: torch.device, replays: int, repeats: int = 10):
+        self.device, self.replays, self.repeats = device, replays, repeats
 
     def __call__(self, fn) -> dict:
+        """`fn` runs `repeats` times back to back inside one graph, so launch overhead and the
+        ranks' skew at the start of a replay are spread over many steps."""
         if self.device.type != "cuda":
             fn()
             seconds = []
@@ -86,7 +88,7 @@ class Timer:
 
         dist.barrier()
         try:
-            return {"seconds": time_graph(torch, lambda i: fn(), 1, self.replays), "graph": True}
+            return {"seconds": time_graph(torch, lambda i: fn(), self.repeats, self.replays), "graph": True}
         except Exception as exc:  # a capture that fails is reported, then timed eagerly
             torch.cuda.synchronize()
             return {"seconds": self._eager(fn), "graph": False, "capture_error": f"{type(exc).__name__}: {exc}"[:300]}
