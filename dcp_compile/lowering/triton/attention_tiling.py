@@ -81,9 +81,11 @@ def choose_tiling(tokens: int, heads: int, width: int, device: torch.device,
     num_splits = choose_num_splits(max(1, tokens * head_tiles), width, parallel_units(device))
     if cache_dtype == torch.float32:
         return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=16, num_warps=8, num_stages=2)
-    # Register budget on sm_90 (offline compile, R = 512, bf16, 8 warps): a 64-head tile's
-    # accumulator alone takes 128 registers a thread, and 16 keys per step keep its spill near
-    # 100 bytes (32 keys double it); up to 32 heads, 64 keys per step fit in ~180 registers.
+    # Measured on an H200 at 128k context (bench/attention_sweep.py, results in
+    # bench/results/attention_sweep_h200.json): 64 keys per step is best at every head count. A
+    # 64-head tile runs best with 8 warps and 2 stages (53-62% of copy bandwidth, against 27-30%
+    # with 16 keys per step, although 64 spills more registers); 32 heads with 4 warps once
+    # there are >= 16 queries, 8 below.
     if block_h >= 64:
-        return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=16, num_warps=8, num_stages=2)
-    return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=64, num_warps=8, num_stages=3)
+        return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=64, num_warps=8, num_stages=2)
+    return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=64, num_warps=4 if tokens >= 16 else 8, num_stages=3)
