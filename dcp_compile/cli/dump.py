@@ -49,8 +49,9 @@ def register(sub) -> None:
     p.add_argument("--interleave", type=int, default=1, help="interleave size I (default 1)")
     p.add_argument("--page-size", type=int, default=None, help="KV page size (default: the interleave size)")
     p.add_argument("--dtype", default="bfloat16", help=f"{', '.join(DTYPES)} (default bfloat16)")
-    p.add_argument("--attention-strategy", default="gather-q",
-                   help=f"{', '.join(ATTENTION_STRATEGIES)}: which DCP attention rewrite runs (default gather-q)")
+    p.add_argument("--attention-strategy", default="auto",
+                   help=f"{', '.join(ATTENTION_STRATEGIES)}: which DCP attention rewrite runs "
+                        "(default auto: the cost model picks for this batch, and the summary says why)")
     p.add_argument("--debug-checks", action="store_true", help="also run the debug-check passes")
     p.set_defaults(handler=run)
 
@@ -137,10 +138,12 @@ def run(args) -> int:
     data = text_dump.report_dict(report)
     graph_folder = writer.graph_folder(0)
 
+    decision = spec.strategy_decision()
     mla_before = data["passes"][0]["ops_before"].get(MLA_OP, 0)
     mla_left = data["passes"][-1]["ops_after"].get(MLA_OP, 0)
     facts = [
         f"MLA sites rewritten: {mla_before - mla_left} of {mla_before}",
+        f"attention strategy: {decision.reason}" if decision.forced else f"attention strategy (cost model): {decision.reason}",
         f"capture {captured.seconds:.1f} s, passes {data['total_milliseconds']:.0f} ms "
         f"({pipeline_seconds:.1f} s with dump writing)",
     ]
@@ -152,6 +155,7 @@ def run(args) -> int:
         "nodes_captured": data["passes"][0]["nodes_before"],
         "mla_sites": mla_before,
         "mla_sites_rewritten": mla_before - mla_left,
+        "attention_strategy": decision.as_dict(),
         "capture_seconds": round(captured.seconds, 3),
         "pass_milliseconds": data["total_milliseconds"],
         "pipeline_seconds_with_dump": round(pipeline_seconds, 3),

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
+from dcp_compile import cost_model
 from dcp_compile.models.config import MLAModelConfig, preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes.base import PassConfig
@@ -28,7 +29,7 @@ from dcp_compile.runtime import parallel
 from dcp_compile.runtime.batch import RequestTable
 
 MODES = ("decode", "verify", "extend")
-ATTENTION_STRATEGIES = ("gather-q", "gather-kv")
+ATTENTION_STRATEGIES = ("auto",) + cost_model.STRATEGIES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAKE_TP_GROUP, FAKE_DCP_GROUP = "fake-tp-group", "fake-dcp-group"
 
@@ -71,8 +72,9 @@ class GraphSpec:
     """Weights and KV cache dtype: float32, bfloat16 or float16."""
     debug_checks: bool = False
     """Run the debug-check passes (check_locations, ...) too."""
-    attention_strategy: str = "gather-q"
-    """How attention reaches the sharded KV: gather-q (rewrite_attention) or gather-kv (gather_kv_attention)."""
+    attention_strategy: str = "auto"
+    """How attention reaches the sharded KV: gather-q (rewrite_attention), gather-kv
+    (gather_kv_attention), or auto: the cost model's choice for this batch."""
 
     def __post_init__(self) -> None:
         cfg = self.model_config()
@@ -125,10 +127,21 @@ class GraphSpec:
         return parallel.ParallelState(tp_size=self.tp, tp_rank=0, dcp_size=1, dcp_rank=0,
                                       tp_group_name=FAKE_TP_GROUP if self.tp > 1 else None)
 
+    def strategy_decision(self) -> cost_model.Decision:
+        """The strategy for this batch: forced, or the cost model's pick and why."""
+        cfg = self.model_config()
+        return cost_model.choose(
+            self.attention_strategy, query_tokens=self.query_tokens, rows=self.batch,
+            width=self.context + self.new_tokens,
+            visible_keys=self.batch * sum(self.context + i + 1 for i in range(self.new_tokens)),
+            heads=cfg.num_heads // self.tp, dcp_size=self.dcp_size, kv_lora_rank=cfg.kv_lora_rank,
+            rope_dim=cfg.qk_rope_head_dim, element_bytes=torch.empty((), dtype=DTYPES[self.dtype]).element_size(),
+        )
+
     def pass_config(self) -> PassConfig:
         return PassConfig(dcp_size=self.dcp_size, dcp_rank=0, interleave=self.interleave,
                           dcp_group_name=FAKE_DCP_GROUP if self.dcp_size > 1 else None,
-                          debug_checks=self.debug_checks, attention_strategy=self.attention_strategy)
+                          debug_checks=self.debug_checks, attention_strategy=self.strategy_decision().strategy)
 
     def describe(self) -> str:
         cfg = self.model_config()
