@@ -143,6 +143,61 @@ def test_local_metadata_of_a_non_contiguous_table():
         _assert_bitwise_equal(actual, wanted)
 
 
+WIDE_LENGTHS = [0, 3000, 1, 1500, 0, 129]
+
+
+@pytest.mark.parametrize("table_dtype,lens_dtype,dcp_size,interleave", [
+    (torch.int32, torch.int32, 1, 1), (torch.int64, torch.int64, 2, 1),
+    (torch.int32, torch.int64, 2, 4), (torch.int64, torch.int32, 4, 4)])
+def test_local_metadata_over_many_column_blocks(table_dtype, lens_dtype, dcp_size, interleave, monkeypatch):
+    # 128-column blocks: a 3000-wide row spans 24 blocks, and the prefix over their counts takes
+    # three 8-count steps. Row 1 holds consecutive locations from an odd start, so runs of owned
+    # entries cross block boundaries; the other rows are random, short, empty or block-sized.
+    monkeypatch.setattr(metadata_builder, "_MAX_BLOCK_COLUMNS", 128)
+    monkeypatch.setattr(metadata_builder, "_MAX_COUNT_BLOCK", 8)
+    gen = _generator(dcp_size * 10 + interleave)
+    width = 3000
+    table = _page_table(WIDE_LENGTHS, width, 1 << 16, torch.int64, gen)
+    table[1] = torch.arange(width) + (1 << 16) + 3
+    table = table.to(table_dtype)
+    seq_lens = torch.tensor(WIDE_LENGTHS, dtype=lens_dtype)
+    for rank in range(dcp_size) if dcp_size <= 2 else (0, dcp_size - 1):
+        expected = reference.local_metadata(table, seq_lens, rank, dcp_size, interleave)
+        outputs = (torch.full_like(table, POISON_INDEX), torch.full_like(seq_lens, POISON_INDEX),
+                   torch.full_like(table, POISON_INDEX))
+        metadata_builder.local_metadata_into(table, seq_lens, rank, dcp_size, interleave, *outputs)
+        for actual, wanted in zip(outputs, expected):
+            _assert_bitwise_equal(actual, wanted)
+
+
+def test_local_metadata_with_a_workspace_and_a_capped_grid(monkeypatch):
+    # Three programs for 3 x 5 (request, block) items: each program loops over several items.
+    monkeypatch.setattr(metadata_builder, "_MAX_BLOCK_COLUMNS", 16)
+    monkeypatch.setattr(metadata_builder, "grid_for", lambda items: (min(items, 3),))
+    gen = _generator(5)
+    lengths = [70, 0, 41]
+    table = _page_table(lengths, 70, 512, torch.int64, gen)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    expected = reference.local_metadata(table, seq_lens, 1, 2, 4)
+    assert metadata_builder.workspace_numel(3, 70) == 15
+    workspace = torch.full((20,), POISON_INDEX, dtype=torch.int32)
+    outputs = tuple(torch.full_like(t, POISON_INDEX) for t in expected)
+    metadata_builder.local_metadata_into(table, seq_lens, 1, 2, 4, *outputs, workspace=workspace)
+    for actual, wanted in zip(outputs, expected):
+        _assert_bitwise_equal(actual, wanted)
+    with pytest.raises(ValueError, match="workspace"):
+        metadata_builder.local_metadata_into(table, seq_lens, 1, 2, 4, *outputs, workspace=workspace[:14])
+
+
+def test_local_metadata_of_empty_shapes():
+    table = torch.zeros(3, 0, dtype=torch.int64)
+    lens = torch.zeros(3, dtype=torch.int64)
+    local_table, local_lens, local_positions = triton_kernels.local_metadata(table, lens, 0, 2, 1)
+    assert local_table.shape == (3, 0) and local_positions.shape == (3, 0) and torch.equal(local_lens, lens)
+    outputs = triton_kernels.local_metadata(torch.zeros(0, 5, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 1, 2, 1)
+    assert [tuple(t.shape) for t in outputs] == [(0, 5), (0,), (0, 5)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Partial attention
 
