@@ -24,8 +24,8 @@ from kernels import AttentionBench, copy_bandwidth, require_cuda  # noqa: E402
 
 
 def candidates(heads: int):
-    for block_h, block_n, warps, stages in itertools.product((16, 32, 64), (16, 32, 64), (4, 8, 16), (1, 2, 3)):
-        if block_h <= heads and not (block_h == 64 and block_n == 64 and warps == 4):
+    for block_h, block_n, warps, stages in itertools.product((32, 64), (32, 64), (4, 8, 16), (2, 3, 4)):
+        if block_h <= heads and not (block_h == 64 and warps == 4):
             yield block_h, block_n, warps, stages
 
 
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/attention_sweep.json")
     p.add_argument("--heads", default="64,32")
-    p.add_argument("--batches", default="4,16,64")
+    p.add_argument("--batches", default="4,64")
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--budget-s", type=float, default=200)
     args = p.parse_args(argv)

@@ -88,4 +88,4 @@ def choose_tiling(tokens: int, heads: int, width: int, device: torch.device,
     # there are >= 16 queries, 8 below.
     if block_h >= 64:
         return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=64, num_warps=8, num_stages=2)
-    return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=64, num_warps=4 if tokens >= 16 else 8, num_stages=3)
+    return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=64, num_warps=8, num_stages=3)
