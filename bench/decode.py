@@ -105,26 +105,6 @@ class Timer:
         return statistics.median(seconds)
 
 
-def copy_ceiling(replays: int, gib: float = 4.0) -> dict:
-    """Device-to-device copy bandwidth (bytes read + written per second), the best of a memcpy
-    and an elementwise copy kernel, each in a CUDA graph after ~1 s of warm-up traffic."""
-    from kernels import time_graph
-
-    elements = int(gib * (1 << 30)) // 2
-    source = torch.empty(elements, dtype=torch.bfloat16, device="cuda").normal_()
-    target = torch.empty_like(source)
-    deadline = time.time() + 1.0
-    while time.time() < deadline:
-        target.copy_(source)
-        torch.cuda.synchronize()
-    moved = 2 * elements * 2
-    ways = {"memcpy": lambda i: target.copy_(source), "kernel": lambda i: torch.mul(source, 1.0, out=target)}
-    result = {f"{name}_bytes_per_s": moved / time_graph(torch, fn, 1, replays) for name, fn in ways.items()}
-    result["bytes_per_s"] = max(result.values())
-    result["buffer_bytes"] = moved // 2
-    return result
-
-
 def slowest(seconds: float, device) -> float:
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -339,7 +319,9 @@ def main(argv=None) -> int:
                    "dtype": str(shapes["dtype"])},
     }
     if device.type == "cuda":
-        result["copy"] = copy_ceiling(args.replays)
+        from kernels import copy_bandwidth
+
+        result["copy"] = copy_bandwidth(torch, 4.0, args.replays)
         torch.cuda.empty_cache()
     result["attention_layer"] = [row for n in (1, 2) for row in bench_attention_layer(args, shapes, n, device, timer, tp)]
     result["kernel_and_comms"] = bench_kernel_and_comms(args, shapes, device, timer, dcp_group)
