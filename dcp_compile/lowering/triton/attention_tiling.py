@@ -83,9 +83,10 @@ def choose_tiling(tokens: int, heads: int, width: int, device: torch.device,
         return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=16, num_warps=8, num_stages=2)
     # Measured on an H200 at 128k context (bench/attention_sweep.py, results in
     # bench/results/attention_sweep_h200.json): 64 keys per step is best at every head count. A
-    # 64-head tile runs best with 8 warps and 2 stages (53-62% of copy bandwidth, against 27-30%
-    # with 16 keys per step, although 64 spills more registers); 32 heads with 4 warps once
-    # there are >= 16 queries, 8 below.
+    # 64-head tile runs best with 8 warps and 2 stages (35-40% of the 4.3 TB/s copy, against
+    # 17-19% with 16 keys per step, although 64 spills more registers). For 32 heads, 4 warps
+    # won the sweep by 1-2 points on random page tables but lost 35% on contiguous ones in
+    # bench/decode.py, so 8 warps it is.
     if block_h >= 64:
         return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=64, num_warps=8, num_stages=2)
     return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=64, num_warps=8, num_stages=3)
