@@ -120,6 +120,22 @@ def test_gather_kv_strategy(tmp_path):
     assert json.loads((out / "dump.json").read_text())["mla_sites_rewritten"] == MLA_LAYERS
 
 
+@pytest.mark.parametrize("options, strategy, rewrite_pass", [
+    (["--mode", "extend", "--chunk", "200", "--context", "10"], "gather-kv", "gather_kv_attention"),
+    (["--mode", "decode", "--context", "4000"], "gather-q", "rewrite_attention"),
+])
+def test_auto_strategy_is_chosen_by_the_cost_model_and_explained(tmp_path, capsys, options, strategy, rewrite_pass):
+    code, out = dump(tmp_path, "--model", "tiny", "--dcp-size", "2", *options)
+    assert code == 0
+    decision = json.loads((out / "dump.json").read_text())["attention_strategy"]
+    assert decision["strategy"] == strategy and not decision["forced"]
+    other = next(name for name in decision["costs"] if name != strategy)
+    assert decision["costs"][strategy]["seconds"] <= decision["costs"][other]["seconds"]
+    report = {p["name"]: p for p in json.loads((out / "graph00" / REPORT_JSON).read_text())["passes"]}
+    assert report[rewrite_pass]["sites"] == MLA_LAYERS
+    assert f"attention strategy (cost model): {strategy}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("mode, options, tokens", [
     ("verify", ["--batch", "2", "--draft-len", "3"], 6),
     ("extend", ["--batch", "2", "--chunk", "5", "--context", "7"], 10),
@@ -154,7 +170,7 @@ def test_svg_without_dot_is_a_clear_error(tmp_path, capsys, monkeypatch):
     (["--model", "llama"], "unknown model 'llama'; choose one of"),
     (["--mode", "prefill"], "unknown mode 'prefill'; choose one of ['decode', 'verify', 'extend']"),
     (["--format", "pdf"], "unknown format 'pdf'; choose one of ['text', 'html', 'svg']"),
-    (["--attention-strategy", "ring"], "unknown attention strategy 'ring'; choose one of ['gather-q', 'gather-kv']"),
+    (["--attention-strategy", "ring"], "unknown attention strategy 'ring'; choose one of ['auto', 'gather-q', 'gather-kv']"),
     (["--disable", "no_such_pass"], "unknown pass name(s) ['no_such_pass']; passes are"),
     (["--only", "no_such_pass"], "unknown pass name 'no_such_pass' for --only; passes are"),
     (["--disable", "verify"], "cannot be disabled"),
