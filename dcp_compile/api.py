@@ -92,15 +92,21 @@ class DCPModel(nn.Module):
         if metadata is None or heads is None:
             return cost_model.Decision("gather-q", True, {}, "the model exposes no attention_metadata / num_local_heads")
         meta = metadata(*args, **kwargs)
-        lens = meta["seq_lens"][meta["q_seq_ids"]]
-        visible = torch.minimum(meta["q_positions"] + 1, lens).clamp_min(0)
+        tokens, (rows, width) = meta["q_seq_ids"].numel(), meta["req_to_token"].shape
+        if meta["seq_lens"].device.type == "cpu":
+            lens = meta["seq_lens"][meta["q_seq_ids"]]
+            visible = int(torch.minimum(meta["q_positions"] + 1, lens).clamp_min(0).sum())
+        else:
+            # Attention FLOPs are the same under both strategies, so the choice does not depend
+            # on the visible keys: bound them by the shapes rather than sync with the device.
+            visible = tokens * width
         pool = state.kv_pool
         return cost_model.choose(
             "auto",
-            query_tokens=int(meta["q_seq_ids"].numel()),
-            rows=int(meta["req_to_token"].shape[0]),
-            width=int(meta["req_to_token"].shape[1]),
-            visible_keys=int(visible.sum()),
+            query_tokens=tokens,
+            rows=rows,
+            width=width,
+            visible_keys=visible,
             heads=heads,
             dcp_size=state.config.dcp_size,
             kv_lora_rank=pool.kv_lora_rank,

@@ -70,7 +70,3 @@ def build(tp_size: int, dcp_size: int = 1) -> ParallelState:
     tp_rank = rank % tp_size
     return ParallelState(tp_size, tp_rank, dcp_size, tp_rank % dcp_size, tp_name, dcp_name)
 
-
-def with_dcp(state: ParallelState, dcp_size: int) -> ParallelState:
-    """The same TP layout with DCP groups of `dcp_size`."""
-    return build(state.tp_size, dcp_size) if dist.is_initialized() else build(1, dcp_size)
