@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dcp_compile import cost_model
 
@@ -36,3 +38,14 @@ def test_forcing(forced):
 def test_unknown_strategy():
     with pytest.raises(ValueError, match="unknown attention strategy"):
         cost_model.choose("gather-everything", query_tokens=1, rows=1, width=4, visible_keys=4, dcp_size=2, **KIMI)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.integers(1, 4096), rows=st.integers(1, 64), width=st.integers(1, 200_000),
+       dcp_size=st.sampled_from([2, 4, 8]), fraction=st.floats(0.0, 1.0))
+def test_choice_does_not_depend_on_visible_keys(tokens, rows, width, dcp_size, fraction):
+    """apply() bounds the visible keys by the shapes on a GPU, to avoid a device sync."""
+    bound = tokens * width
+    shared = dict(query_tokens=tokens, rows=rows, width=width, dcp_size=dcp_size, **KIMI)
+    exact = cost_model.choose("auto", visible_keys=int(bound * fraction), **shared)
+    assert exact.strategy == cost_model.choose("auto", visible_keys=bound, **shared).strategy
