@@ -16,7 +16,9 @@ CASES = [
              attention_strategy="gather-kv", seed=7),
     Scenario(mode="extend", dcp_size=4, tp_size=4, batch=2, contexts=(3, 30), chunk=11, steps=1,
              attention_strategy="gather-q", seed=8),
-    # Page-interleaved (I = page size = 4) with a shared prefix of two pages.
+    Scenario(mode="extend", dcp_size=1, tp_size=2, batch=2, contexts=(3, 30), chunk=11, steps=1, seed=8),
+    # Page-interleaved (I = page size = 4) with a shared prefix of two pages: prefix-cache pages
+    # stay in the scheduler's logical address space, so nothing needs scaling by N.
     Scenario(mode="extend", dcp_size=2, tp_size=2, batch=3, contexts=(20, 14, 1), chunk=6, steps=2, interleave=4,
              shared_prefix=8, seed=9),
     # The DCP model on the Triton kernels (interpreted on CPU), against the reference baseline.
