@@ -1,6 +1,6 @@
 """CUDA-graph capture and replay of decode / verify steps, per batch bucket and tokens per row.
 
-The runner owns static input buffers, one set per (bucket, tokens per row), allocated once at
+The runner owns static input buffers, one set per (bucket, tokens per row, page-table width), allocated once at
 capture and refreshed in place before every replay; a captured buffer is never reallocated.
 Batches are padded to the bucket with rows that write to location 0 and see no key. Graphs are
 captured on a fully padded batch, so capture itself writes no KV and touches no request state.
@@ -72,7 +72,7 @@ class GraphRunner:
         with torch.cuda.graph(graph, pool=self.mempool):
             output = self.step(*inputs.args())
         captured = _Captured(graph, inputs, output, self._addresses(inputs))
-        self.graphs[(bucket, tokens_per_row)] = captured
+        self.graphs[(bucket, tokens_per_row, template.req_to_token.shape[1])] = captured
         log.info("captured a CUDA graph for bucket %d x %d tokens", bucket, tokens_per_row)
         return captured
 
@@ -86,7 +86,8 @@ class GraphRunner:
                 )
                 self._warned = True
             return self.step(*batch.to("cuda").args())
-        captured = self.graphs.get((bucket, tokens_per_row)) or self.capture(batch, tokens_per_row)
+        key = (bucket, tokens_per_row, batch.req_to_token.shape[1])
+        captured = self.graphs.get(key) or self.capture(batch, tokens_per_row)
         if self.debug and self._addresses(captured.inputs) != captured.addresses:
             raise StaleAddressError("an input or KV buffer of a captured graph moved since capture")
         padded = batch.padded(bucket, tokens_per_row)

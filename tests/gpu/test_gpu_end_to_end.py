@@ -56,7 +56,7 @@ def test_graph_replay_matches_eager_with_padded_rows():
         got = runner(graph_table.extend_batch([0, 1, 2], tokens))  # 3 rows run in the 4-row graph
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         tokens = [[int(t)] for t in expected.argmax(-1)]
-    assert list(runner.graphs) == [(4, 1)]
+    assert list(runner.graphs) == [(4, 1, 64)]
 
 
 @cuda
