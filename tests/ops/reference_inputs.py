@@ -70,3 +70,17 @@ def shard_inputs(inputs, dcp_size, interleave, dcp_rank):
     rank_dim = inputs["q_latent"].shape[-1]
     reference.kv_write(shard, inputs["kv_cache"][locs, :rank_dim], inputs["kv_cache"][locs, rank_dim:], locs, dcp_rank, dcp_size, interleave)
     return shard
+
+
+def gather_q_attention(inputs, dcp_size, interleave, sm_scale):
+    """Each rank's partial attention over its shard, exchanged (by stacking) and LSE-merged."""
+    outs, lses = [], []
+    for rank in range(dcp_size):
+        shard = shard_inputs(inputs, dcp_size, interleave, rank)
+        page, lens, pos = torch.ops.dcp.local_metadata(inputs["req_to_token"], inputs["seq_lens"], rank, dcp_size, interleave)
+        out, lse = torch.ops.dcp.mla_partial_attention(
+            inputs["q_latent"], inputs["q_rope"], shard, page, lens, pos, inputs["q_seq_ids"], inputs["q_positions"], sm_scale
+        )
+        outs.append(out)
+        lses.append(lse)
+    return reference.merge_lse(torch.stack(outs), torch.stack(lses))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_compile.lowering.torch import reference
-from tests.ops.reference_inputs import naive_attention, random_batch, shard_inputs
+from tests.ops.reference_inputs import gather_q_attention, naive_attention, random_batch, shard_inputs
 
 SCALE = 0.25
 
@@ -53,15 +53,7 @@ def test_shared_prefix_rows_under_both_strategies():
     for dcp_size in (2, 4):
         out, _ = gather_kv_attention(inputs, dcp_size, 1)
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
-        outs, lses = [], []
-        for rank in range(dcp_size):
-            shard = shard_inputs(inputs, dcp_size, 1, rank)
-            page, lens, pos = reference.local_metadata(inputs["req_to_token"], inputs["seq_lens"], rank, dcp_size, 1)
-            o, l = reference.partial_attention(inputs["q_latent"], inputs["q_rope"], shard, page, lens, pos,
-                                               inputs["q_seq_ids"], inputs["q_positions"], SCALE)
-            outs.append(o)
-            lses.append(l)
-        merged, _ = reference.merge_lse(torch.stack(outs), torch.stack(lses))
+        merged, _ = gather_q_attention(inputs, dcp_size, 1, SCALE)
         torch.testing.assert_close(merged.double(), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_compile.lowering.torch import reference
-from tests.ops.reference_inputs import naive_attention, random_batch, shard_inputs
+from tests.ops.reference_inputs import gather_q_attention, naive_attention, random_batch, shard_inputs
 
 SCALE = 0.3
 
@@ -21,20 +21,6 @@ def _attention(inputs):
         inputs["q_latent"], inputs["q_rope"], inputs["kv_cache"], inputs["req_to_token"], inputs["seq_lens"],
         inputs["q_seq_ids"], inputs["q_positions"], SCALE,
     )
-
-
-def _dcp_attention(inputs, dcp_size, interleave):
-    """Each rank's partial attention over its shard, packed, exchanged (by stacking) and merged."""
-    outs, lses = [], []
-    for rank in range(dcp_size):
-        shard = shard_inputs(inputs, dcp_size, interleave, rank)
-        page, lens, pos = torch.ops.dcp.local_metadata(inputs["req_to_token"], inputs["seq_lens"], rank, dcp_size, interleave)
-        out, lse = torch.ops.dcp.mla_partial_attention(
-            inputs["q_latent"], inputs["q_rope"], shard, page, lens, pos, inputs["q_seq_ids"], inputs["q_positions"], SCALE
-        )
-        outs.append(out)
-        lses.append(lse)
-    return reference.merge_lse(torch.stack(outs), torch.stack(lses))
 
 
 @pytest.mark.parametrize("queries", [1, 3])
@@ -61,7 +47,7 @@ def test_partial_attention_lse_is_natural_log():
 def test_merge_with_base2_lse_is_caught():
     """Merging shards whose LSE was (wrongly) in base 2 gives a measurably different answer."""
     inputs = random_batch([9, 6], [1, 1], seed=4)
-    out, lse = _dcp_attention(inputs, 2, 1)
+    out, lse = gather_q_attention(inputs, 2, 1, SCALE)
     outs, lses = [], []
     for rank in range(2):
         shard = shard_inputs(inputs, 2, 1, rank)
@@ -85,7 +71,7 @@ def test_merge_with_base2_lse_is_caught():
 def test_dcp_merge_equals_full_attention(lengths, dcp_size, interleave, queries, seed):
     inputs = random_batch(lengths, [min(queries, max(n, 1)) for n in lengths], seed=seed)
     expected_out, expected_lse = naive_attention(inputs, SCALE)
-    out, lse = _dcp_attention(inputs, dcp_size, interleave)
+    out, lse = gather_q_attention(inputs, dcp_size, interleave, SCALE)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
