@@ -94,15 +94,20 @@ class Timer:
             return {"seconds": self._eager(fn), "graph": False, "capture_error": f"{type(exc).__name__}: {exc}"[:300]}
 
     def _eager(self, fn) -> float:
-        seconds = []
-        for _ in range(self.replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            seconds.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(seconds)
+        return median_call_seconds(fn, self.replays)
+
+
+def median_call_seconds(fn, calls: int) -> float:
+    """Median of CUDA-event times around single calls, host launch work included."""
+    seconds = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(seconds)
 
 
 def slowest(seconds: float, device) -> float:
@@ -262,21 +267,13 @@ def bench_graph_speedup(args, device, tp) -> list[dict]:
         batch = stack_batch(1, 100, 128, torch.device("cpu"))
         runner = GraphRunner(step, buckets=(1, 2, 4), debug=True, watched=[model.kv_pool.cache(i) for i in range(4)])
         gpu_batch = batch.to(device)
-        eager_ms, graph_ms = [], []
         for _ in range(3):
             step(*gpu_batch.args())
             runner(batch)
         torch.cuda.synchronize()
         dist.barrier()
-        for samples, call in ((eager_ms, lambda: step(*gpu_batch.args())), (graph_ms, lambda: runner(batch))):
-            for _ in range(args.replays * 2):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                call()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-        eager, graph = slowest(statistics.median(eager_ms), device), slowest(statistics.median(graph_ms), device)
+        eager = slowest(median_call_seconds(lambda: step(*gpu_batch.args()), args.replays * 2), device)
+        graph = slowest(median_call_seconds(lambda: runner(batch), args.replays * 2), device)
         same = torch.allclose(step(*gpu_batch.args()), runner(batch), atol=1e-4, rtol=1e-4)
         rows.append({"dcp_size": dcp_size, "eager_seconds": eager, "graph_seconds": graph,
                      "speedup": eager / graph, "graph_matches_eager": bool(same)})

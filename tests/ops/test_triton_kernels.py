@@ -111,6 +111,17 @@ def _page_table(lengths, width, capacity, dtype, gen):
     return table.to(dtype)
 
 
+def _check_metadata_into(table, seq_lens, rank, dcp_size, interleave):
+    """local_metadata_into over poisoned outputs equals the reference bit for bit; returns it."""
+    expected = reference.local_metadata(table, seq_lens, rank, dcp_size, interleave)
+    outputs = (torch.full_like(table, POISON_INDEX), torch.full_like(seq_lens, POISON_INDEX),
+               torch.full_like(table, POISON_INDEX))
+    metadata_builder.local_metadata_into(table, seq_lens, rank, dcp_size, interleave, *outputs)
+    for actual, wanted in zip(outputs, expected):
+        _assert_bitwise_equal(actual, wanted)
+    return expected
+
+
 @pytest.mark.parametrize("table_dtype,lens_dtype", [(torch.int32, torch.int32), (torch.int64, torch.int64),
                                                     (torch.int32, torch.int64)])
 @pytest.mark.parametrize("dcp_size,interleave", [(1, 1), (2, 1), (2, 4), (4, 1), (4, 4)])
@@ -123,12 +134,7 @@ def test_local_metadata_matches_reference(table_dtype, lens_dtype, dcp_size, int
     table = _page_table(lengths, width, 512, table_dtype, gen)
     seq_lens = torch.tensor(lengths, dtype=lens_dtype)
     for rank in range(dcp_size):
-        expected = reference.local_metadata(table, seq_lens, rank, dcp_size, interleave)
-        outputs = (torch.full_like(table, POISON_INDEX), torch.full_like(seq_lens, POISON_INDEX),
-                   torch.full_like(table, POISON_INDEX))
-        metadata_builder.local_metadata_into(table, seq_lens, rank, dcp_size, interleave, *outputs)
-        for actual, wanted in zip(outputs, expected):
-            _assert_bitwise_equal(actual, wanted)
+        expected = _check_metadata_into(table, seq_lens, rank, dcp_size, interleave)
         for actual, wanted in zip(triton_kernels.local_metadata(table, seq_lens, rank, dcp_size, interleave), expected):
             _assert_bitwise_equal(actual, wanted)
 
@@ -162,12 +168,7 @@ def test_local_metadata_over_many_column_blocks(table_dtype, lens_dtype, dcp_siz
     table = table.to(table_dtype)
     seq_lens = torch.tensor(WIDE_LENGTHS, dtype=lens_dtype)
     for rank in range(dcp_size) if dcp_size <= 2 else (0, dcp_size - 1):
-        expected = reference.local_metadata(table, seq_lens, rank, dcp_size, interleave)
-        outputs = (torch.full_like(table, POISON_INDEX), torch.full_like(seq_lens, POISON_INDEX),
-                   torch.full_like(table, POISON_INDEX))
-        metadata_builder.local_metadata_into(table, seq_lens, rank, dcp_size, interleave, *outputs)
-        for actual, wanted in zip(outputs, expected):
-            _assert_bitwise_equal(actual, wanted)
+        _check_metadata_into(table, seq_lens, rank, dcp_size, interleave)
 
 
 def test_local_metadata_with_a_workspace_and_a_capped_grid(monkeypatch):
