@@ -5,11 +5,12 @@ The scheduler's address space (logical locations) is the same with and without D
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from dcp_compile.runtime import layout
+from dcp_compile.runtime.host_metadata import HostMetadata, block_table_width
 
 
 @dataclass
@@ -20,6 +21,7 @@ class ForwardBatch:
     out_loc [T] (where its KV goes; 0 = padding), req_to_token [B, L], seq_lens [B] (length
     including this step's tokens; 0 for a padded row), state_slots [B] (recurrent-state slot of
     each row for non-MLA layers; 0 = padding), logits_index [B] (token whose logits row b gets).
+    `host` is the host-side local metadata (not a model input; see runtime/host_metadata.py).
     """
 
     input_ids: torch.Tensor
@@ -30,12 +32,14 @@ class ForwardBatch:
     seq_lens: torch.Tensor
     state_slots: torch.Tensor
     logits_index: torch.Tensor
+    host: HostMetadata | None = field(default=None, compare=False)
 
     def args(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self))
+        """The model's inputs, in forward() order."""
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "host")
 
     def to(self, device, non_blocking: bool = False) -> "ForwardBatch":
-        return ForwardBatch(*(t.to(device, non_blocking=non_blocking) for t in self.args()))
+        return ForwardBatch(*(t.to(device, non_blocking=non_blocking) for t in self.args()), host=self.host)
 
     @classmethod
     def empty(cls, width: int) -> "ForwardBatch":
@@ -71,6 +75,7 @@ class ForwardBatch:
             input_ids=grow(self.input_ids, tokens), positions=grow(self.positions, tokens), q_seq_ids=q_seq_ids,
             out_loc=grow(self.out_loc, tokens), req_to_token=grow(self.req_to_token, rows), seq_lens=grow(self.seq_lens, rows),
             state_slots=grow(self.state_slots, rows), logits_index=logits_index,
+            host=self.host.padded(rows, tokens_per_row) if self.host is not None else None,
         )
 
 
@@ -88,17 +93,33 @@ class RequestTable:
     Pages are `page_size` consecutive locations; page 0 holds the reserved location 0 and is
     never handed out. A page may be shared by several requests (prefix caching): it returns to
     the free list when its last user lets go.
+
+    It also keeps each request's host-side local metadata for a DCP group of `dcp_size` ranks
+    with interleave `interleave`: the keys each rank stores, and, where pages map onto whole
+    local blocks (runtime/layout.local_block_size), each rank's local block ids. They are updated
+    at O(tokens appended or released) per call, with no device sync, and every batch carries them
+    (`ForwardBatch.host`).
     """
 
-    def __init__(self, max_requests: int, max_context: int, capacity: int, page_size: int = 1):
+    def __init__(self, max_requests: int, max_context: int, capacity: int, page_size: int = 1,
+                 dcp_size: int = 1, interleave: int = 1):
         if page_size < 1 or capacity % page_size:
             raise ValueError(f"page_size must be >= 1 and divide the capacity {capacity}, got {page_size}")
+        layout.validate(dcp_size, 0, interleave)
+        if page_size % interleave:
+            raise ValueError(f"interleave size {interleave} must divide the page size {page_size}")
         self.max_context, self.capacity, self.page_size = max_context, capacity, page_size
+        self.dcp_size, self.interleave = dcp_size, interleave
         self.req_to_token = torch.zeros(max_requests, max_context, dtype=torch.int64)
         self.seq_lens = torch.zeros(max_requests, dtype=torch.int64)
         self.pages: list[list[int]] = [[] for _ in range(max_requests)]
         self.page_users: dict[int, int] = {}
         self.free_pages = list(range(capacity // page_size - 1, 0, -1))
+        self.local_seq_lens = torch.zeros(max_requests, dcp_size, dtype=torch.int64)
+        self.block_size = layout.local_block_size(page_size, dcp_size, interleave)
+        self.local_blocks_used = torch.zeros(max_requests, dcp_size, dtype=torch.int64)
+        self.block_tables = (torch.zeros(dcp_size, max_requests, block_table_width(max_context, page_size), dtype=torch.int32)
+                             if self.block_size else None)
 
     def _take_page(self) -> int:
         if not self.free_pages:
@@ -112,6 +133,29 @@ class RequestTable:
         if self.page_users[page] == 0:
             del self.page_users[page]
             self.free_pages.append(page)
+
+    def _add_pages(self, request: int, pages: list[int]) -> None:
+        self.pages[request].extend(pages)
+        if self.block_tables is None:
+            return
+        for page in pages:
+            for rank, block in layout.local_blocks_of_page(page, self.page_size, self.dcp_size, self.interleave):
+                self.block_tables[rank, request, self.local_blocks_used[request, rank]] = block
+                self.local_blocks_used[request, rank] += 1
+
+    def _drop_pages(self, request: int, keep: int) -> None:
+        """Release the request's pages past the first `keep`, newest first."""
+        for page in reversed(self.pages[request][keep:]):
+            self._release_page(page)
+            if self.block_tables is not None:
+                for rank, _ in layout.local_blocks_of_page(page, self.page_size, self.dcp_size, self.interleave):
+                    self.local_blocks_used[request, rank] -= 1
+                    self.block_tables[rank, request, self.local_blocks_used[request, rank]] = 0
+        del self.pages[request][keep:]
+
+    def _count_local(self, locs: torch.Tensor) -> torch.Tensor:
+        """How many of `locs` each DCP rank stores."""
+        return torch.bincount(layout.owner(locs, self.dcp_size, self.interleave), minlength=self.dcp_size)
 
     def free_locations(self) -> int:
         return len(self.free_pages) * self.page_size
@@ -130,23 +174,22 @@ class RequestTable:
             )
         if start % self.page_size and self.page_users.get(self.pages[request][-1], 0) > 1:
             raise ValueError(f"request {request} would append into a shared page; fork at a page boundary")
-        for _ in range(pages_needed):
-            self.pages[request].append(self._take_page())
+        self._add_pages(request, [self._take_page() for _ in range(pages_needed)])
         positions = torch.arange(start, end)
         pages = torch.tensor(self.pages[request], dtype=torch.int64)
         locs = pages[positions // self.page_size] * self.page_size + positions % self.page_size
         self.req_to_token[request, start:end] = locs
         self.seq_lens[request] = end
+        self.local_seq_lens[request] += self._count_local(locs)
         return locs
 
     def truncate(self, request: int, length: int) -> None:
         """Keep the first `length` tokens (e.g. the accepted drafts); release the rest."""
-        if not 0 <= length <= int(self.seq_lens[request]):
-            raise ValueError(f"cannot truncate request {request} of {int(self.seq_lens[request])} tokens to {length}")
-        keep_pages = -(-length // self.page_size)
-        for page in self.pages[request][keep_pages:]:
-            self._release_page(page)
-        del self.pages[request][keep_pages:]
+        current = int(self.seq_lens[request])
+        if not 0 <= length <= current:
+            raise ValueError(f"cannot truncate request {request} of {current} tokens to {length}")
+        self.local_seq_lens[request] -= self._count_local(self.req_to_token[request, length:current])
+        self._drop_pages(request, -(-length // self.page_size))
         self.req_to_token[request, length:] = 0
         self.seq_lens[request] = length
 
@@ -159,9 +202,10 @@ class RequestTable:
         shared = self.pages[source][: prefix_len // self.page_size]
         for page in shared:
             self.page_users[page] += 1
-        self.pages[target] = list(shared)
+        self._add_pages(target, list(shared))
         self.req_to_token[target, :prefix_len] = self.req_to_token[source, :prefix_len]
         self.seq_lens[target] = prefix_len
+        self.local_seq_lens[target] = self._count_local(self.req_to_token[target, :prefix_len])
 
     def extend_batch(self, requests: list[int], tokens: list[list[int]], pad_rows: int = 0,
                      all_logits: bool = False) -> ForwardBatch:
@@ -171,8 +215,10 @@ class RequestTable:
         Each padded row is one query token that writes to location 0 and sees no key.
         """
         ids, positions, q_seq_ids, out_loc, logits_index = [], [], [], [], []
+        prefix_lens = []
         for row, (request, new_tokens) in enumerate(zip(requests, tokens)):
             start = int(self.seq_lens[request])
+            prefix_lens.append(self.local_seq_lens[request].clone())
             out_loc.append(self.append(request, len(new_tokens)))
             first = len(ids)
             ids.extend(new_tokens)
@@ -196,4 +242,19 @@ class RequestTable:
             seq_lens=seq_lens,
             state_slots=state_slots,
             logits_index=torch.tensor(logits_index + [len(ids) + i for i in range(pad_rows)], dtype=torch.int64),
+            host=self._host_metadata(requests, [len(t) for t in tokens], prefix_lens, pad_rows),
+        )
+
+    def _host_metadata(self, requests: list[int], query_lens: list[int], prefix_lens: list[torch.Tensor],
+                       pad_rows: int) -> HostMetadata:
+        zeros = (0,) * pad_rows
+        local = self.local_seq_lens[requests].T.tolist() if requests else [[] for _ in range(self.dcp_size)]
+        prefix = torch.stack(prefix_lens).T.tolist() if requests else [[] for _ in range(self.dcp_size)]
+        tables = None
+        if self.block_tables is not None:
+            tables = self.block_tables[:, requests]
+            tables = torch.cat([tables, tables.new_zeros(self.dcp_size, pad_rows, tables.shape[2])], dim=1)
+        return HostMetadata(
+            self.dcp_size, self.interleave, self.page_size, tuple(query_lens) + (1,) * pad_rows,
+            tuple(tuple(r) + zeros for r in local), tuple(tuple(r) + zeros for r in prefix), tables,
         )

@@ -43,3 +43,31 @@ def validate(dcp_size: int, dcp_rank: int, interleave: int) -> None:
         raise ValueError(f"dcp_rank must be in [0, {dcp_size}), got {dcp_rank}")
     if interleave < 1:
         raise ValueError(f"interleave must be >= 1, got {interleave}")
+
+
+def local_block_size(page_size: int, dcp_size: int, interleave: int = 1) -> int | None:
+    """Rows one logical page puts on a rank as one whole local block, or None where a page's
+    rows do not form whole, aligned local blocks (a paged kernel such as Ascend FIA cannot then
+    read the shard through a block table).
+
+    - I*N divides the page size: every rank holds page_size / N consecutive local rows of the
+      page, local block p (the page id).
+    - I == page size: the whole page lives on rank p % N, as local block p // N.
+    """
+    if page_size % (interleave * dcp_size) == 0:
+        return page_size // dcp_size
+    if interleave == page_size:
+        return page_size
+    return None
+
+
+def local_blocks_of_page(page: int, page_size: int, dcp_size: int, interleave: int = 1) -> list[tuple[int, int]]:
+    """(rank, local block id) for each rank that holds rows of logical page `page`."""
+    if page_size % (interleave * dcp_size) == 0:
+        return [(rank, page) for rank in range(dcp_size)]
+    if interleave == page_size:
+        return [(page % dcp_size, page // dcp_size)]
+    raise ValueError(
+        f"page size {page_size} with interleave {interleave} over dcp_size {dcp_size} does not map pages "
+        f"onto whole local blocks: use a page size that is a multiple of interleave x dcp_size, or interleave == page size"
+    )

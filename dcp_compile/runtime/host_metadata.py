@@ -1,0 +1,143 @@
+"""Host-side local attention metadata: each DCP rank's local lengths and local block tables.
+
+Kernels that plan on the host need these before a step: Ascend FIA takes its KV lengths as a
+host list (`actual_seq_lengths_kv`, SymInt[]) and reads the KV through a block table; FlashInfer's
+`plan()` runs on the host. The in-graph `dcp::local_metadata` derives the same view on the device,
+which serves the kernels that need no host values.
+
+`RequestTable` keeps this incrementally (O(tokens appended or released) per step, no device
+sync). `HostMetadata.from_tensors` computes it from CPU batch tensors in O(context): for
+schedulers of their own, and as the oracle the incremental version is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dcp_compile.runtime import layout
+
+MAX_FIA_QUERY_TOKENS = 16
+"""FIA's MLA path (D = 512) serves at most 16 query tokens per request (ASCEND.md §1.4)."""
+
+
+def block_table_width(max_context: int, page_size: int) -> int:
+    """Local blocks a request can hold on one rank: at most one per logical page."""
+    return -(-max_context // page_size)
+
+
+@dataclass(frozen=True)
+class RankHostMetadata:
+    """One DCP rank's view of a batch of B rows."""
+
+    query_lens: tuple[int, ...]
+    """Query tokens of each row (tokens are grouped by row, in row order)."""
+    local_seq_lens: tuple[int, ...]
+    """Keys of each row stored on this rank, this step's included."""
+    local_prefix_lens: tuple[int, ...]
+    """Keys of each row on this rank at positions before the row's first query."""
+    block_table: torch.Tensor | None
+    """[B, W] int32 local block ids in position order (host); None if pages are not block-aligned.
+    Entries past a row's last used block are not read."""
+
+    @property
+    def cumulative_query_lens(self) -> list[int]:
+        total, out = 0, []
+        for n in self.query_lens:
+            total += n
+            out.append(total)
+        return out
+
+
+@dataclass(frozen=True)
+class HostMetadata:
+    """A batch's host-side local metadata for every rank of the DCP group."""
+
+    dcp_size: int
+    interleave: int
+    page_size: int
+    query_lens: tuple[int, ...]
+    local_seq_lens: tuple[tuple[int, ...], ...]
+    """[N][B]"""
+    local_prefix_lens: tuple[tuple[int, ...], ...]
+    """[N][B]"""
+    block_tables: torch.Tensor | None
+    """[N, B, W] int32 on the host."""
+
+    @property
+    def rows(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def block_size(self) -> int | None:
+        return layout.local_block_size(self.page_size, self.dcp_size, self.interleave)
+
+    def for_rank(self, rank: int) -> RankHostMetadata:
+        table = self.block_tables[rank] if self.block_tables is not None else None
+        return RankHostMetadata(self.query_lens, self.local_seq_lens[rank], self.local_prefix_lens[rank], table)
+
+    def padded(self, rows: int, tokens_per_row: int) -> "HostMetadata":
+        """Grown to `rows` rows; padded rows have `tokens_per_row` queries and no key."""
+        extra = rows - self.rows
+        if extra < 0:
+            raise ValueError(f"cannot pad host metadata of {self.rows} rows to {rows}")
+        zeros = (0,) * extra
+        tables = self.block_tables
+        if tables is not None:
+            tables = torch.cat([tables, tables.new_zeros(tables.shape[0], extra, tables.shape[2])], dim=1)
+        return HostMetadata(
+            self.dcp_size, self.interleave, self.page_size, self.query_lens + (tokens_per_row,) * extra,
+            tuple(lens + zeros for lens in self.local_seq_lens), tuple(lens + zeros for lens in self.local_prefix_lens),
+            tables,
+        )
+
+    @classmethod
+    def from_tensors(cls, req_to_token: torch.Tensor, seq_lens: torch.Tensor, q_seq_ids: torch.Tensor,
+                     dcp_size: int, interleave: int, page_size: int) -> "HostMetadata":
+        """From CPU batch tensors, in O(context). Queries of row b must be its last
+        query_lens[b] positions, grouped by row in row order (as RequestTable builds them)."""
+        from dcp_compile.lowering.torch import reference
+
+        for name, t in (("req_to_token", req_to_token), ("seq_lens", seq_lens), ("q_seq_ids", q_seq_ids)):
+            if t.device.type != "cpu":
+                raise ValueError(
+                    f"host metadata is built from CPU tensors, but {name} is on {t.device}: pass the "
+                    "ForwardBatch's host metadata (RequestTable keeps it) instead of recomputing it"
+                )
+        batch, width = req_to_token.shape
+        if q_seq_ids.numel() and (int(q_seq_ids.min()) < 0 or int(q_seq_ids.max()) >= batch):
+            raise ValueError(f"q_seq_ids must lie in [0, {batch})")
+        if q_seq_ids.numel() > 1 and bool((q_seq_ids[1:] < q_seq_ids[:-1]).any()):
+            raise ValueError("host metadata needs query tokens grouped by row, in row order")
+        query_lens = torch.bincount(q_seq_ids, minlength=batch).tolist()
+        first_query = (seq_lens - torch.tensor(query_lens, dtype=seq_lens.dtype)).clamp_min(0)
+        block_size = layout.local_block_size(page_size, dcp_size, interleave)
+        blocks = block_table_width(width, page_size)
+        tables = torch.zeros(dcp_size, batch, blocks, dtype=torch.int32) if block_size else None
+        local_lens, prefix_lens = [], []
+        for rank in range(dcp_size):
+            rows, lens, positions = reference.local_metadata(req_to_token, seq_lens, rank, dcp_size, interleave)
+            valid = torch.arange(width)[None, :] < lens[:, None]
+            local_lens.append(tuple(lens.tolist()))
+            prefix_lens.append(tuple((valid & (positions < first_query[:, None])).sum(dim=1).tolist()))
+            if tables is not None:
+                tables[rank] = _blocks_of(rows, lens, block_size, blocks)
+        return cls(dcp_size, interleave, page_size, tuple(query_lens), tuple(local_lens), tuple(prefix_lens), tables)
+
+
+def _blocks_of(local_rows: torch.Tensor, local_lens: torch.Tensor, block_size: int, blocks: int) -> torch.Tensor:
+    """Local block ids of each row's local rows; raises if the rows are not whole aligned blocks."""
+    cover = blocks * block_size
+    if bool((local_lens > cover).any()):
+        raise ValueError(f"a row holds more local keys than {blocks} blocks of {block_size}")
+    width = local_rows.shape[1]
+    rows = torch.nn.functional.pad(local_rows, (0, cover - width)) if cover > width else local_rows[:, :cover]
+    table = rows[:, ::block_size] // block_size
+    column = torch.arange(cover)
+    expected = table.repeat_interleave(block_size, dim=1) * block_size + column % block_size
+    valid = column[None, :] < local_lens[:, None]
+    if bool((valid & (expected != rows)).any()):
+        raise ValueError("the page table's local rows do not form whole, aligned local blocks")
+    used = torch.arange(blocks)[None, :] * block_size < local_lens[:, None]
+    return torch.where(used, table, 0).to(torch.int32)
