@@ -1,0 +1,689 @@
+"""CPU stand-ins for the Ascend ops that the NPU lowering emits.
+
+This is not Ascend code. `torch_npu` cannot be installed without the Ascend CANN toolkit
+(ASCEND.md §7.1), so `register()` defines the ops our NPU lowering calls under the `npu`
+namespace, with the exact schemas that torch_npu registers, CPU kernels implementing the
+documented semantics and limits, and fake kernels for tracing. Lowered graphs then run and are
+tested on CPU. When torch_npu is present, nothing is registered and the real ops are used.
+
+Ops (sources in /work/shared/ASCEND.md):
+- `npu_fused_infer_attention_score` (FIA v1), its `.out` overload and
+  `_npu_fused_infer_attention_score_get_max_workspace`: schemas of §1.1. Only the MLA path that
+  DCP decode uses is implemented (query_rope/key_rope, paged latent cache, §1.4-§1.7); documented
+  inputs outside it raise ValueError, documented inputs that the stand-in does not implement raise
+  NotImplementedError.
+- `npu_attention_update`: the LSE merge of §2.
+
+Kernel behaviours that callers rely on and that the stand-ins reproduce:
+- softmax_lse is the natural-log logsumexp of the scaled scores, fp32 (§1.2).
+- A request with actual_seq_lengths_kv == 0 gets attention_out 0 and softmax_lse +inf
+  (CANN >= 8.5 MLA kernel, §1.8), and npu_attention_update reads an lse of +inf as -inf (§1.8).
+- A row whose every lse is -inf merges to NaN, as the kernel's arithmetic gives (§1.8).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+_FIA_ARGUMENTS = (
+    "Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, Tensor? atten_mask=None, "
+    "SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
+    "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, "
+    "Tensor? quant_scale2=None, Tensor? quant_offset2=None, Tensor? antiquant_scale=None, "
+    "Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, "
+    "Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, "
+    "Tensor? value_antiquant_offset=None, Tensor? block_table=None, "
+    "Tensor? query_padding_size=None, Tensor? kv_padding_size=None, "
+    "Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, "
+    "SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, Tensor? key_rope=None, "
+    "Tensor? key_rope_antiquant_scale=None, int num_heads=1, float scale=1.0, "
+    "int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout=\"BSH\", "
+    "int num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, int block_size=0, "
+    "int antiquant_mode=0, int key_antiquant_mode=0, int value_antiquant_mode=0, "
+    "bool softmax_lse_flag=False"
+)
+# The op-plugin yaml lines of ASCEND.md §1.1 and §2, not the torch_npu docstrings (whose
+# argument order differs).
+FIA_SCHEMA = f"npu_fused_infer_attention_score({_FIA_ARGUMENTS}) -> (Tensor, Tensor)"
+FIA_OUT_SCHEMA = (
+    f"npu_fused_infer_attention_score.out({_FIA_ARGUMENTS}, Tensor? workspace=None, "
+    "Tensor(a!) attention_out, Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))"
+)
+FIA_WORKSPACE_SCHEMA = f"_npu_fused_infer_attention_score_get_max_workspace({_FIA_ARGUMENTS}) -> Tensor"
+ATTENTION_UPDATE_SCHEMA = (
+    "npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type) -> (Tensor, Tensor)"
+)
+
+_library: torch.library.Library | None = None
+
+
+def register() -> bool:
+    """Define the stand-in `torch.ops.npu` ops once; True when they are (or already were) defined.
+
+    Returns False, registering nothing, when torch_npu is installed: its ops are the real ones.
+    torch_npu is not imported here, so that merely checking never initialises an NPU runtime.
+    """
+    global _library
+    if importlib.util.find_spec("torch_npu") is not None:
+        return False
+    if _library is None:
+        _library = _define_ops()
+    return True
+
+
+def is_standin() -> bool:
+    """Whether `torch.ops.npu` holds this module's stand-ins rather than torch_npu's ops."""
+    return _library is not None
+
+
+def _define_ops() -> torch.library.Library:
+    library = torch.library.Library("npu", "DEF")
+    kernels = {
+        FIA_SCHEMA: (_fia_cpu, _fia_fake),
+        FIA_OUT_SCHEMA: (_fia_out_cpu, _fia_out_fake),
+        FIA_WORKSPACE_SCHEMA: (_fia_workspace, _fia_workspace),
+        ATTENTION_UPDATE_SCHEMA: (_attention_update_cpu, _attention_update_fake),
+    }
+    for schema, (cpu_kernel, fake_kernel) in kernels.items():
+        library.define(schema)
+        name = schema.split("(", 1)[0]
+        library.impl(name, cpu_kernel, "CPU")
+        # register_fake also installs the Meta kernel.
+        torch.library.register_fake(f"npu::{name}", fake_kernel, lib=library)
+    return library
+
+
+# ---------------------------------------------------------------------------------------------
+# npu_fused_infer_attention_score: arguments and validation
+# ---------------------------------------------------------------------------------------------
+
+MLA_ROPE_DIM = 64
+MLA_LATENT_DIM = 512
+MLA_QUERY_HEAD_DIMS = (MLA_LATENT_DIM, 128)
+MLA_HEAD_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
+MLA_MAX_QUERIES_PER_REQUEST = 16
+MLA_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_NBSD", "BSND_NBSD", "BSH_NBSD", "TND", "TND_NTD")
+IMPLEMENTED_LAYOUTS = ("BSND", "BNSD", "TND")
+MLA_SPARSE_MODES = (0, 3, 4)
+MAX_BLOCK_SIZE = 1024
+BLOCK_SIZE_ALIGNMENT = 16
+COMPRESSED_MASK_SIDE = 2048
+MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+DEFAULT_PRE_NEXT_TOKENS = 2147483647
+
+# §1.4: not supported with MLA. Each is a Tensor? (or SymInt[]?) defaulting to None.
+_MLA_UNSUPPORTED_ARGUMENTS = (
+    "pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
+    "quant_offset2", "antiquant_scale", "antiquant_offset", "key_antiquant_scale",
+    "key_antiquant_offset", "value_antiquant_scale", "value_antiquant_offset",
+    "query_padding_size", "kv_padding_size", "key_shared_prefix", "value_shared_prefix",
+    "actual_shared_prefix_len", "key_rope_antiquant_scale",
+)
+
+
+@dataclass(frozen=True)
+class FiaArgs:
+    """The FIA arguments the MLA path reads; defaults are the schema's.
+
+    The dispatcher drops keyword arguments equal to their default, so each kernel rebuilds them.
+    The antiquant modes are not kept: they only qualify antiquant tensors, which MLA rejects.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    query_rope: torch.Tensor | None = None
+    key_rope: torch.Tensor | None = None
+    atten_mask: torch.Tensor | None = None
+    actual_seq_lengths: Sequence[int] | None = None
+    actual_seq_lengths_kv: Sequence[int] | None = None
+    block_table: torch.Tensor | None = None
+    num_heads: int = 1
+    scale: float = 1.0
+    pre_tokens: int = DEFAULT_PRE_NEXT_TOKENS
+    next_tokens: int = DEFAULT_PRE_NEXT_TOKENS
+    input_layout: str = "BSH"
+    num_key_value_heads: int = 0
+    sparse_mode: int = 0
+    inner_precise: int = 0
+    block_size: int = 0
+    softmax_lse_flag: bool = False
+
+
+_FIA_ARG_NAMES = frozenset(field.name for field in fields(FiaArgs))
+
+
+@dataclass(frozen=True)
+class FiaPlan:
+    """What validation derived from the arguments: the per-request work and the output shapes."""
+
+    query_counts: list[int]
+    kv_lens: list[int]
+    attention_out_shape: tuple[int, ...]
+    softmax_lse_shape: tuple[int, ...]
+
+
+def bind_fia_args(query, key, value, keyword_args: dict) -> FiaArgs:
+    given_unsupported = [
+        name for name in _MLA_UNSUPPORTED_ARGUMENTS if keyword_args.get(name) is not None
+    ]
+    if given_unsupported:
+        raise ValueError(
+            f"{', '.join(given_unsupported)} given, but MLA FIA supports no pse, quantisation, "
+            "padding sizes or shared prefix"
+        )
+    kept = {name: argument for name, argument in keyword_args.items() if name in _FIA_ARG_NAMES}
+    return FiaArgs(query, key, value, **kept)
+
+
+def validate_fia(args: FiaArgs) -> FiaPlan:
+    """Check every documented limit that shapes, dtypes and host lists show; no tensor data is read.
+
+    Shared by the CPU and fake kernels, so that bad calls fail at trace time too.
+    """
+    _check_dtypes(args)
+    _check_mla_head_dims(args)
+    _check_layout(args)
+    _check_num_heads(args)
+    query_counts = _query_counts(args)
+    _check_paged_cache(args, batch=len(query_counts))
+    kv_lens = _kv_lens(args, batch=len(query_counts))
+    _check_sparse_mode(args, query_counts, kv_lens)
+    _check_other_options(args)
+    return FiaPlan(
+        query_counts=query_counts,
+        kv_lens=kv_lens,
+        attention_out_shape=(*args.query.shape[:-1], args.value.shape[-1]),
+        softmax_lse_shape=_softmax_lse_shape(args),
+    )
+
+
+def _check_dtypes(args: FiaArgs) -> None:
+    # §1.9: fp16/bf16 query; MLA without quantisation needs one dtype for q/k/v and the ropes.
+    if args.query.dtype not in ATTENTION_DTYPES:
+        raise ValueError(f"query dtype {args.query.dtype} is not supported; allowed: float16, bfloat16")
+    for name in ("key", "value", "query_rope", "key_rope"):
+        tensor = getattr(args, name)
+        if tensor is not None and tensor.dtype != args.query.dtype:
+            raise ValueError(
+                f"{name} dtype {tensor.dtype} differs from query dtype {args.query.dtype}; "
+                "MLA needs one dtype for query, key, value, query_rope and key_rope"
+            )
+
+
+def _check_mla_head_dims(args: FiaArgs) -> None:
+    # §1.4
+    if (args.query_rope is None) != (args.key_rope is None):
+        given, missing = ("query_rope", "key_rope") if args.key_rope is None else ("key_rope", "query_rope")
+        raise ValueError(f"{given} given without {missing}; pass both (MLA) or neither")
+    if args.query_rope is None:
+        raise NotImplementedError("the FIA stand-in implements MLA only: pass query_rope and key_rope")
+    head_dim = args.query.shape[-1]
+    if head_dim not in MLA_QUERY_HEAD_DIMS:
+        raise ValueError(f"query head dim is {head_dim}; MLA allows {MLA_QUERY_HEAD_DIMS}")
+    for name in ("query_rope", "key_rope"):
+        rope_dim = getattr(args, name).shape[-1]
+        if rope_dim != MLA_ROPE_DIM:
+            raise ValueError(f"{name} last dim is {rope_dim}; MLA requires {MLA_ROPE_DIM}")
+    if args.num_key_value_heads != 1:
+        raise ValueError(f"num_key_value_heads is {args.num_key_value_heads}; MLA requires 1")
+
+
+def _check_layout(args: FiaArgs) -> None:
+    # §1.3
+    layout = args.input_layout
+    if layout not in MLA_LAYOUTS:
+        raise ValueError(f"input_layout {layout!r} is not allowed with MLA; allowed: {MLA_LAYOUTS}")
+    if layout not in IMPLEMENTED_LAYOUTS:
+        raise NotImplementedError(
+            f"input_layout {layout!r} is valid for MLA but the stand-in implements {IMPLEMENTED_LAYOUTS}"
+        )
+    expected_rank = 3 if layout == "TND" else 4
+    if args.query.dim() != expected_rank:
+        raise ValueError(
+            f"query must be {expected_rank}-D for input_layout {layout!r}, "
+            f"got shape {tuple(args.query.shape)}"
+        )
+    if args.query_rope.shape[:-1] != args.query.shape[:-1]:
+        raise ValueError(
+            f"query_rope shape {tuple(args.query_rope.shape)} must match query shape "
+            f"{tuple(args.query.shape)} except the last dim"
+        )
+
+
+# (batch, query_len, heads) axes of the 4-D layouts; TND's heads are axis 1.
+_BATCH_QUERY_HEAD_AXES = {"BSND": (0, 1, 2), "BNSD": (0, 2, 1)}
+
+
+def _head_axis(layout: str) -> int:
+    return 1 if layout == "TND" else _BATCH_QUERY_HEAD_AXES[layout][2]
+
+
+def _check_num_heads(args: FiaArgs) -> None:
+    # §1.4: the gathered DCP head count must be one of these too.
+    if args.num_heads not in MLA_HEAD_COUNTS:
+        raise ValueError(f"num_heads is {args.num_heads}; MLA allows {MLA_HEAD_COUNTS}")
+    query_heads = args.query.shape[_head_axis(args.input_layout)]
+    if args.num_heads != query_heads:
+        raise ValueError(
+            f"num_heads is {args.num_heads} but the {args.input_layout} query has {query_heads} heads"
+        )
+
+
+def _query_counts(args: FiaArgs) -> list[int]:
+    """Queries per request: the S dim for BSND/BNSD, differences of the cumulative list for TND."""
+    if args.input_layout == "TND":
+        counts = _tnd_query_counts(args.actual_seq_lengths, total_tokens=args.query.shape[0])
+    else:
+        batch_axis, query_axis, _ = _BATCH_QUERY_HEAD_AXES[args.input_layout]
+        batch, query_len = args.query.shape[batch_axis], args.query.shape[query_axis]
+        counts = [query_len] * batch
+        _check_no_query_padding(args.actual_seq_lengths, query_len, batch)
+    if args.query.shape[-1] == MLA_LATENT_DIM:
+        too_many = [count for count in counts if count > MLA_MAX_QUERIES_PER_REQUEST]
+        if too_many:
+            raise ValueError(
+                f"a request has {max(too_many)} query tokens; MLA with D=512 allows at most "
+                f"{MLA_MAX_QUERIES_PER_REQUEST}"
+            )
+    return counts
+
+
+def _tnd_query_counts(actual_seq_lengths, total_tokens: int) -> list[int]:
+    # §1.6: cumulative for TND.
+    if actual_seq_lengths is None:
+        raise ValueError("input_layout TND requires actual_seq_lengths (cumulative query counts)")
+    cumulative = list(actual_seq_lengths)
+    if not cumulative:
+        raise ValueError("actual_seq_lengths is empty; TND needs one cumulative count per request")
+    counts = [cumulative[0]] + [end - start for start, end in zip(cumulative, cumulative[1:])]
+    if any(count < 0 for count in counts):
+        raise ValueError(f"actual_seq_lengths {cumulative} must be non-negative and non-decreasing")
+    if cumulative[-1] != total_tokens:
+        raise ValueError(
+            f"actual_seq_lengths ends at {cumulative[-1]} but the TND query has T = {total_tokens} tokens"
+        )
+    return counts
+
+
+def _check_no_query_padding(actual_seq_lengths, query_len: int, batch: int) -> None:
+    # §1.6: ignored when S == 1; for S > 1 a shorter length means padded queries.
+    if actual_seq_lengths is None or query_len == 1:
+        return
+    used = _per_request(actual_seq_lengths, batch, "actual_seq_lengths")
+    if any(length != query_len for length in used):
+        raise NotImplementedError(
+            f"actual_seq_lengths {list(actual_seq_lengths)} pads queries below S = {query_len}; "
+            "the stand-in implements unpadded BSND/BNSD queries only"
+        )
+
+
+def _per_request(lengths, batch: int, name: str) -> list[int]:
+    """§1.6: one length per request, or a single length broadcast; extra entries are unused."""
+    lengths = list(lengths)
+    if len(lengths) == 1:
+        return lengths * batch
+    if len(lengths) < batch:
+        raise ValueError(f"{name} has {len(lengths)} entries for {batch} requests; give >= {batch} or 1")
+    return lengths[:batch]
+
+
+def _check_paged_cache(args: FiaArgs, batch: int) -> None:
+    # §1.4, §1.5: PageAttention is mandatory for MLA D=512.
+    block_table = args.block_table
+    if block_table is None:
+        if args.query.shape[-1] == MLA_LATENT_DIM:
+            raise ValueError("block_table is required: PageAttention is mandatory for MLA with D=512")
+        raise NotImplementedError("the stand-in implements paged (block_table) KV only")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(
+            f"block_table must be a 2-D int32 tensor, got {block_table.dim()}-D {block_table.dtype}"
+        )
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for {batch} requests")
+    block_size = args.block_size
+    if not 0 < block_size <= MAX_BLOCK_SIZE or block_size % BLOCK_SIZE_ALIGNMENT:
+        raise ValueError(
+            f"block_size is {block_size}; MLA needs a positive multiple of {BLOCK_SIZE_ALIGNMENT} "
+            f"<= {MAX_BLOCK_SIZE}"
+        )
+    head_dim = args.query.shape[-1]
+    _check_cache_view("key", args.key, block_size, head_dim)
+    _check_cache_view("key_rope", args.key_rope, block_size, MLA_ROPE_DIM)
+    if args.value.shape != args.key.shape:
+        raise ValueError(
+            f"value shape {tuple(args.value.shape)} differs from key shape {tuple(args.key.shape)}; "
+            "in MLA both are the latent cache"
+        )
+    if args.key_rope.shape[0] != args.key.shape[0]:
+        raise ValueError(
+            f"key_rope has {args.key_rope.shape[0]} blocks but key has {args.key.shape[0]}"
+        )
+
+
+def _check_cache_view(name: str, cache: torch.Tensor, block_size: int, head_dim: int) -> None:
+    # §1.4: [num_blocks, block_size, D] or [num_blocks, KV_N=1, block_size, D].
+    shape = tuple(cache.shape)
+    valid = (cache.dim() == 3 and shape[1:] == (block_size, head_dim)) or (
+        cache.dim() == 4 and shape[1:] == (1, block_size, head_dim)
+    )
+    if not valid:
+        raise ValueError(
+            f"{name} shape {shape} must be [num_blocks, {block_size}, {head_dim}] or "
+            f"[num_blocks, 1, {block_size}, {head_dim}] (block_size {block_size})"
+        )
+
+
+def _kv_lens(args: FiaArgs, batch: int) -> list[int]:
+    # §1.5, §1.6: per request, never cumulative (also TND with D=512 and PageAttention).
+    if args.actual_seq_lengths_kv is None:
+        raise ValueError("actual_seq_lengths_kv is required with a block_table (PageAttention)")
+    kv_lens = _per_request(args.actual_seq_lengths_kv, batch, "actual_seq_lengths_kv")
+    capacity = args.block_table.shape[1] * args.block_size
+    for kv_len in kv_lens:
+        if not 0 <= kv_len <= capacity:
+            raise ValueError(
+                f"actual_seq_lengths_kv value {kv_len} is outside [0, {capacity}] "
+                f"(block_table width {args.block_table.shape[1]} x block_size {args.block_size})"
+            )
+    return kv_lens
+
+
+def _check_sparse_mode(args: FiaArgs, query_counts: list[int], kv_lens: list[int]) -> None:
+    # §1.4, §1.7
+    mode = args.sparse_mode
+    if mode not in MLA_SPARSE_MODES:
+        raise ValueError(f"sparse_mode is {mode}; MLA allows {MLA_SPARSE_MODES}")
+    if mode == 4:
+        raise NotImplementedError("sparse_mode 4 (band) is not implemented by the stand-in")
+    mask = args.atten_mask
+    if mask is not None and mask.dtype not in MASK_DTYPES:
+        raise ValueError(f"atten_mask dtype {mask.dtype} is not supported; allowed: bool, int8, uint8")
+    if mode == 3:
+        _check_compressed_causal_mask(mask)
+    elif mask is not None:
+        _check_full_mask(args, query_counts, kv_lens)
+
+
+def _check_compressed_causal_mask(mask: torch.Tensor | None) -> None:
+    side = COMPRESSED_MASK_SIDE
+    allowed = ((side, side), (1, side, side), (1, 1, side, side))
+    if mask is None or tuple(mask.shape) not in allowed:
+        got = None if mask is None else tuple(mask.shape)
+        raise ValueError(f"sparse_mode 3 needs the compressed atten_mask of shape {allowed}, got {got}")
+
+
+def _check_full_mask(args: FiaArgs, query_counts: list[int], kv_lens: list[int]) -> None:
+    if args.input_layout == "TND":
+        raise NotImplementedError("an atten_mask with input_layout TND is not implemented by the stand-in")
+    shape = tuple(args.atten_mask.shape)
+    batch, query_len = len(query_counts), query_counts[0] if query_counts else 0
+    mask_width = shape[-1]
+    allowed_leading = {(batch, 1, query_len), (1, query_len), (1, 1, query_len)}
+    # CANN rejects a zero-width mask, even when every request is empty (§1.7).
+    longest_kv = max(kv_lens, default=0)
+    if shape[:-1] not in allowed_leading or mask_width < max(1, longest_kv):
+        raise ValueError(
+            f"atten_mask shape {shape} must be (B, 1, S, KV_S), (1, S, KV_S) or (1, 1, S, KV_S) "
+            f"with B = {batch}, S = {query_len} and KV_S >= max(1, longest kv length {longest_kv})"
+        )
+
+
+def _check_other_options(args: FiaArgs) -> None:
+    if args.inner_precise not in (0, 1):
+        raise ValueError(f"inner_precise is {args.inner_precise}; MLA allows 0 or 1")
+    # §1.7 documents pre_tokens/next_tokens as ignored in modes 1-3 only.
+    windowed = args.pre_tokens != DEFAULT_PRE_NEXT_TOKENS or args.next_tokens != DEFAULT_PRE_NEXT_TOKENS
+    if args.sparse_mode == 0 and windowed:
+        raise NotImplementedError("pre_tokens/next_tokens windows are not implemented by the stand-in")
+
+
+def _softmax_lse_shape(args: FiaArgs) -> tuple[int, ...]:
+    # §1.2: (B, N, S, 1) or (T, N, 1) with the flag; the meta kernel's [0] without it.
+    if not args.softmax_lse_flag:
+        return (0,)
+    query_shape = tuple(args.query.shape)
+    if args.input_layout == "TND":
+        return (*query_shape[:2], 1)
+    batch, query_len, heads = (query_shape[axis] for axis in _BATCH_QUERY_HEAD_AXES[args.input_layout])
+    return (batch, heads, query_len, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# npu_fused_infer_attention_score: kernels
+# ---------------------------------------------------------------------------------------------
+
+
+def _fia_cpu(query, key, value, **keyword_args):
+    args = bind_fia_args(query, key, value, keyword_args)
+    plan = validate_fia(args)
+    return _compute_fia(args, plan)
+
+
+def _fia_fake(query, key, value, **keyword_args):
+    plan = validate_fia(bind_fia_args(query, key, value, keyword_args))
+    return (
+        query.new_empty(plan.attention_out_shape),
+        query.new_empty(plan.softmax_lse_shape, dtype=torch.float32),
+    )
+
+
+def _fia_out_cpu(query, key, value, *, attention_out, softmax_lse, workspace=None, **keyword_args):
+    args = bind_fia_args(query, key, value, keyword_args)
+    plan = validate_fia(args)
+    _check_out_buffers(args, plan, attention_out, softmax_lse)
+    computed_out, computed_lse = _compute_fia(args, plan)
+    attention_out.copy_(computed_out)
+    if args.softmax_lse_flag:
+        softmax_lse.copy_(computed_lse)
+    else:
+        softmax_lse.zero_()
+    return attention_out, softmax_lse
+
+
+def _fia_out_fake(query, key, value, *, attention_out, softmax_lse, workspace=None, **keyword_args):
+    args = bind_fia_args(query, key, value, keyword_args)
+    _check_out_buffers(args, validate_fia(args), attention_out, softmax_lse)
+    return attention_out, softmax_lse
+
+
+def _check_out_buffers(args: FiaArgs, plan: FiaPlan, attention_out, softmax_lse) -> None:
+    if tuple(attention_out.shape) != plan.attention_out_shape or attention_out.dtype != args.query.dtype:
+        raise ValueError(
+            f"attention_out is {tuple(attention_out.shape)} {attention_out.dtype}; expected "
+            f"{plan.attention_out_shape} {args.query.dtype}"
+        )
+    # §1.2: without the flag the docs say [1] and the meta kernel gives [0]; accept both.
+    allowed_lse_shapes = [plan.softmax_lse_shape] if args.softmax_lse_flag else [(0,), (1,)]
+    if tuple(softmax_lse.shape) not in allowed_lse_shapes or softmax_lse.dtype != torch.float32:
+        raise ValueError(
+            f"softmax_lse is {tuple(softmax_lse.shape)} {softmax_lse.dtype}; expected float32 of "
+            f"shape {' or '.join(map(str, allowed_lse_shapes))}"
+        )
+
+
+def _fia_workspace(query, key, value, **keyword_args):
+    """The real op returns a workspace of the maximal size for capture; no stand-in kernel needs one.
+
+    Zeroed rather than empty so that the result is deterministic.
+    """
+    validate_fia(bind_fia_args(query, key, value, keyword_args))
+    return torch.zeros(1, dtype=torch.uint8, device=query.device)
+
+
+def _compute_fia(args: FiaArgs, plan: FiaPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    layout = args.input_layout
+    query = _token_major(args.query, layout).float()
+    query_rope = _token_major(args.query_rope, layout).float()
+    latent_cache, rope_cache, value_cache = (
+        _flat_blocks(cache) for cache in (args.key, args.key_rope, args.value)
+    )
+    # A request with kv_len 0 keeps these: out 0 and lse +inf (CANN >= 8.5 MLA kernel, §1.8).
+    out = query.new_zeros(*query.shape[:2], value_cache.shape[-1])
+    lse = query.new_full(query.shape[:2], math.inf)
+    first_query = 0
+    for request, (query_count, kv_len) in enumerate(zip(plan.query_counts, plan.kv_lens)):
+        queries = slice(first_query, first_query + query_count)
+        first_query += query_count
+        if kv_len == 0:
+            continue
+        rows = _cache_rows(args.block_table[request], kv_len, args.block_size)
+        out[queries], lse[queries] = _attend_request(
+            query[queries],
+            query_rope[queries],
+            latent_cache[rows].float(),
+            rope_cache[rows].float(),
+            value_cache[rows].float(),
+            _visible_keys(args, request, query_count, kv_len),
+            args.scale,
+        )
+    attention_out = _from_token_major(out, layout, args.query.shape)
+    return attention_out.to(args.query.dtype), _lse_output(lse, plan, args)
+
+
+def _token_major(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """[T, N, D] with the queries of each request contiguous, in request order."""
+    if layout == "BNSD":
+        tensor = tensor.transpose(1, 2)
+    return tensor.reshape(-1, *tensor.shape[-2:])
+
+
+def _from_token_major(tensor: torch.Tensor, layout: str, query_shape) -> torch.Tensor:
+    if layout == "TND":
+        return tensor
+    if layout == "BSND":
+        return tensor.reshape(*query_shape[:3], tensor.shape[-1])
+    batch, heads, query_len = query_shape[:3]
+    return tensor.reshape(batch, query_len, heads, tensor.shape[-1]).transpose(1, 2).contiguous()
+
+
+def _lse_output(lse: torch.Tensor, plan: FiaPlan, args: FiaArgs) -> torch.Tensor:
+    if not args.softmax_lse_flag:
+        return lse.new_empty(plan.softmax_lse_shape)
+    if args.input_layout == "TND":
+        return lse.unsqueeze(-1)
+    batch, heads, query_len, _ = plan.softmax_lse_shape
+    return lse.reshape(batch, query_len, heads).transpose(1, 2).unsqueeze(-1).contiguous()
+
+
+def _flat_blocks(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks * block_size, D] from either paged view."""
+    return cache.reshape(-1, cache.shape[-1])
+
+
+def _cache_rows(block_table_row: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
+    positions = torch.arange(kv_len)
+    blocks = block_table_row[positions // block_size].long()
+    return blocks * block_size + positions % block_size
+
+
+def _visible_keys(args: FiaArgs, request: int, query_count: int, kv_len: int) -> torch.Tensor:
+    """[query_count, kv_len] bool: which of the request's keys each of its queries attends to."""
+    if args.sparse_mode == 3:
+        # rightDownCausal: the last query sees every key, earlier ones one fewer each.
+        query_index = torch.arange(query_count).unsqueeze(1)
+        key_index = torch.arange(kv_len).unsqueeze(0)
+        return key_index <= kv_len - query_count + query_index
+    if args.atten_mask is None:
+        return torch.ones(query_count, kv_len, dtype=torch.bool)
+    mask = args.atten_mask.reshape(-1, query_count, args.atten_mask.shape[-1])
+    request_mask = mask[request if mask.shape[0] > 1 else 0, :, :kv_len]
+    return ~request_mask.bool()
+
+
+def _attend_request(query, query_rope, latent, key_rope, value, visible, scale):
+    """Attention of one request with kv_len > 0, in fp32: out [S, N, Dv], natural-log lse [S, N].
+
+    A query whose mask hides every key gets out 0 and lse -inf: the stand-in's choice (the docs say
+    nothing), a row with no weight that npu_attention_update ignores.
+    """
+    scores = scale * (
+        torch.einsum("snd,kd->snk", query, latent) + torch.einsum("snr,kr->snk", query_rope, key_rope)
+    )
+    scores = scores.masked_fill(~visible.unsqueeze(1), -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    lse_column = lse.unsqueeze(-1)
+    weights = torch.exp(scores - lse_column).masked_fill(lse_column == -math.inf, 0.0)
+    return torch.einsum("snk,kd->snd", weights, value), lse
+
+
+# ---------------------------------------------------------------------------------------------
+# npu_attention_update
+# ---------------------------------------------------------------------------------------------
+
+MAX_UPDATE_SOURCES = 16
+UPDATE_HEAD_DIM_RANGE = (8, 512)
+UPDATE_HEAD_DIM_ALIGNMENT = 8
+UPDATE_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def validate_attention_update(
+    lse: Sequence[torch.Tensor], local_out: Sequence[torch.Tensor], update_type: int
+) -> None:
+    """The limits of ASCEND.md §2 (op-plugin doc: at most 16 sources)."""
+    if len(lse) != len(local_out) or not 1 <= len(lse) <= MAX_UPDATE_SOURCES:
+        raise ValueError(
+            f"lse and local_out have {len(lse)} and {len(local_out)} entries; they need the same "
+            f"count in [1, {MAX_UPDATE_SOURCES}]"
+        )
+    rows = local_out[0].shape[0] if local_out[0].dim() == 2 else None
+    for index, (source_lse, source_out) in enumerate(zip(lse, local_out)):
+        _check_update_source(index, source_lse, source_out, rows, local_out[0].dtype)
+    if update_type not in (0, 1):
+        raise ValueError(f"update_type is {update_type}; allowed: 0 (out only) or 1 (out and lse)")
+
+
+def _check_update_source(index, source_lse, source_out, rows, out_dtype) -> None:
+    low, high = UPDATE_HEAD_DIM_RANGE
+    if source_out.dim() != 2:
+        raise ValueError(f"local_out[{index}] must be 2-D [M, D], got shape {tuple(source_out.shape)}")
+    head_dim = source_out.shape[1]
+    if not low <= head_dim <= high or head_dim % UPDATE_HEAD_DIM_ALIGNMENT:
+        raise ValueError(
+            f"local_out[{index}] head dim is {head_dim}; allowed: a multiple of "
+            f"{UPDATE_HEAD_DIM_ALIGNMENT} in [{low}, {high}]"
+        )
+    if source_out.dtype not in UPDATE_OUT_DTYPES:
+        raise ValueError(
+            f"local_out[{index}] dtype {source_out.dtype} is not supported; "
+            "allowed: float32, float16, bfloat16"
+        )
+    if source_out.dtype != out_dtype:
+        raise ValueError(
+            f"local_out[{index}] dtype {source_out.dtype} differs from local_out[0] dtype {out_dtype}"
+        )
+    if source_out.shape[0] != rows:
+        raise ValueError(f"local_out[{index}] has {source_out.shape[0]} rows, local_out[0] has {rows}")
+    if source_lse.dim() != 1 or source_lse.dtype != torch.float32 or source_lse.shape[0] != rows:
+        raise ValueError(
+            f"lse[{index}] is {tuple(source_lse.shape)} {source_lse.dtype}; expected 1-D float32 "
+            f"[{rows}] matching local_out's rows"
+        )
+
+
+def _attention_update_cpu(lse, local_out, update_type):
+    validate_attention_update(lse, local_out, update_type)
+    lses = torch.stack(lse).float()
+    # An empty FIA shard reports +inf; the kernel reads it as -inf so it gets no weight (§1.8).
+    lses = lses.masked_fill(lses == math.inf, -math.inf)
+    # No guard for rows where every lse is -inf: like the kernel, they come out NaN (§1.8).
+    lse_max = lses.max(dim=0).values
+    merged_lse = lse_max + torch.log(torch.exp(lses - lse_max).sum(dim=0))
+    weights = torch.exp(lses - merged_lse).unsqueeze(-1)
+    merged_out = (torch.stack(local_out).float() * weights).sum(dim=0)
+    # The real op leaves lse_out unspecified with update_type 0; the stand-in always fills it.
+    return merged_out.to(local_out[0].dtype), merged_lse
+
+
+def _attention_update_fake(lse, local_out, update_type):
+    validate_attention_update(lse, local_out, update_type)
+    return (
+        local_out[0].new_empty(local_out[0].shape),
+        lse[0].new_empty(lse[0].shape, dtype=torch.float32),
+    )
