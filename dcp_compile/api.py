@@ -14,6 +14,7 @@ from dcp_compile.backend import DCPBackend
 from dcp_compile.config import DCPConfig
 from dcp_compile.passes.manager import check_pass_names
 from dcp_compile.runtime import parallel
+from dcp_compile.runtime.host_metadata import MAX_FIA_QUERY_TOKENS, HostMetadata, HostSlot
 from dcp_compile.runtime.kv_pool import CapacityReport, MLAKVPool
 
 
@@ -27,6 +28,12 @@ class DCPState:
     backends: dict[str, DCPBackend]
     strategy_counts: collections.Counter = field(default_factory=collections.Counter)
     last_decision: cost_model.Decision | None = None
+    host_slot: HostSlot = field(default_factory=HostSlot)
+
+    @property
+    def needs_host_metadata(self) -> bool:
+        """Whether attention runs kernels that take host values (Ascend FIA's lengths)."""
+        return self.config.kernels == "npu"
 
     @property
     def capacity(self) -> CapacityReport:
@@ -74,15 +81,53 @@ class DCPModel(nn.Module):
             raise ValueError(f"no {strategy!r} variant; this model has {sorted(self._compiled)}")
         return self._compiled[strategy]
 
-    def forward(self, *args, **kwargs):
-        decision = self._decide(args, kwargs)
-        self.dcp_state.strategy_counts[decision.strategy] += 1
-        self.dcp_state.last_decision = decision
-        return self._compiled[decision.strategy](*args, **kwargs)
+    def forward(self, *args, host_metadata: HostMetadata | None = None, **kwargs):
+        """Run one step. host_metadata: the batch's host-side local metadata (`ForwardBatch.host`),
+        needed by kernels that take host values (kernels='npu'); without it, it is computed from
+        the batch tensors where they are on the CPU."""
+        state = self.dcp_state
+        if state.needs_host_metadata:
+            host_metadata = self._host_metadata(args, kwargs, host_metadata)
+        decision = self._decide(args, kwargs, host_metadata)
+        state.strategy_counts[decision.strategy] += 1
+        state.last_decision = decision
+        state.host_slot.current = host_metadata
+        try:
+            return self._compiled[decision.strategy](*args, **kwargs)
+        finally:
+            state.host_slot.current = None
 
-    def _decide(self, args, kwargs) -> cost_model.Decision:
+    def _host_metadata(self, args, kwargs, host: HostMetadata | None) -> HostMetadata:
+        state = self.dcp_state
+        pool, config = state.kv_pool, state.config
+        if host is None:
+            metadata = getattr(self.model, "attention_metadata", None)
+            if metadata is None:
+                raise ValueError(
+                    "kernels='npu' needs the batch's host-side metadata: pass host_metadata=batch.host (a ForwardBatch "
+                    "from RequestTable), or give the model an attention_metadata() method (README, model contract)"
+                )
+            meta = metadata(*args, **kwargs)
+            host = HostMetadata.from_tensors(meta["req_to_token"], meta["seq_lens"], meta["q_seq_ids"],
+                                             config.dcp_size, config.interleave, pool.page_size)
+        expected = (config.dcp_size, config.interleave, pool.page_size)
+        if (host.dcp_size, host.interleave, host.page_size) != expected:
+            raise ValueError(
+                f"host metadata was built for dcp_size {host.dcp_size}, interleave {host.interleave}, page size "
+                f"{host.page_size}; this model has {expected[0]}, {expected[1]}, {expected[2]}: build the RequestTable "
+                "with the model's dcp_size, interleave and page size"
+            )
+        return host
+
+    def _decide(self, args, kwargs, host: HostMetadata | None = None) -> cost_model.Decision:
         state = self.dcp_state
         strategy = state.config.attention_strategy
+        if host is not None and state.config.kernels == "npu" and max(host.query_lens, default=0) > MAX_FIA_QUERY_TOKENS:
+            if strategy == "gather-q" and state.config.dcp_size > 1:
+                raise ValueError(f"attention_strategy='gather-q' with kernels='npu' serves at most {MAX_FIA_QUERY_TOKENS} "
+                                 f"query tokens per request (FIA); this batch has {max(host.query_lens)}")
+            return cost_model.Decision("gather-kv", True, {}, f"a row has more than {MAX_FIA_QUERY_TOKENS} query tokens, "
+                                       "which FIA does not serve")
         if state.config.dcp_size == 1:
             return cost_model.Decision("gather-q", True, {}, "dcp_size 1: attention is local")
         if strategy != "auto":
@@ -145,11 +190,39 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     parallel.validate_sizes(current.tp_size, config.dcp_size, world)
     if config.dcp_size > 1 and not dist.is_initialized():
         raise RuntimeError(f"dcp_size {config.dcp_size} needs torch.distributed initialised with >= {config.dcp_size} ranks")
+    if config.kernels == "auto" and pool.device.type == "npu":
+        config = config.replace(kernels="npu")
+    if config.kernels == "npu":
+        _check_npu_lowering(model, pool, config)
     layout = parallel.build(current.tp_size, config.dcp_size)
     pool.reshard(layout.dcp_size, layout.dcp_rank, config.interleave, kv_keep)
-    strategies = cost_model.STRATEGIES if config.dcp_size > 1 else ("gather-q",)
-    backends = {name: DCPBackend(config, layout, name) for name in strategies}
-    return DCPModel(model, DCPState(config, layout, pool, backends))
+    # At dcp_size 1 with kernels='npu', 'gather-kv' names the graph without FIA, for chunks FIA does not serve.
+    strategies = cost_model.STRATEGIES if config.dcp_size > 1 or config.kernels == "npu" else ("gather-q",)
+    host_slot = HostSlot()
+    backends = {name: DCPBackend(config, layout, name, pool.page_size, host_slot) for name in strategies}
+    return DCPModel(model, DCPState(config, layout, pool, backends, host_slot=host_slot))
+
+
+def _check_npu_lowering(model: nn.Module, pool: MLAKVPool, config: DCPConfig) -> None:
+    """What FIA and npu_attention_update need, checked before anything is compiled."""
+    from dcp_compile.passes.base import PassConfig
+    from dcp_compile.passes.lower_npu_attention import MAX_UPDATE_SHARDS, fia_block_size, padded_heads
+
+    if pool.device.type == "npu":
+        from dcp_compile.lowering.npu import require_torch_npu
+
+        require_torch_npu("a KV pool on an NPU")
+    if pool.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"kernels='npu' needs a bf16 or fp16 KV cache (FIA's query and KV dtypes, ASCEND.md §1.9), got {pool.dtype}")
+    if pool.kv_lora_rank != 512 or pool.rope_dim != 64:
+        raise ValueError(f"FIA's MLA path needs kv_lora_rank 512 and a rope dim of 64 (ASCEND.md §1.4), got "
+                         f"{pool.kv_lora_rank} and {pool.rope_dim}")
+    if config.dcp_size > MAX_UPDATE_SHARDS:
+        raise ValueError(f"npu_attention_update merges at most {MAX_UPDATE_SHARDS} shards, dcp_size is {config.dcp_size}")
+    fia_block_size(PassConfig(dcp_size=config.dcp_size, interleave=config.interleave, page_size=pool.page_size))
+    heads = getattr(model, "num_local_heads", None)
+    if heads is not None:
+        padded_heads(heads * config.dcp_size)
 
 
 def state(compiled: nn.Module) -> DCPState:

@@ -11,12 +11,13 @@ import torch.fx as fx
 from dcp_compile.config import DCPConfig
 from dcp_compile.passes import PassConfig, PassManager, PassReport
 from dcp_compile.passes.sites import count_mla_sites
+from dcp_compile.runtime.host_metadata import HostSlot, host_input_feeder
 from dcp_compile.runtime.parallel import ParallelState
 
 log = logging.getLogger("dcp_compile")
 
 
-def pass_config(config: DCPConfig, parallel: ParallelState, strategy: str) -> PassConfig:
+def pass_config(config: DCPConfig, parallel: ParallelState, strategy: str, page_size: int = 1) -> PassConfig:
     return PassConfig(
         dcp_size=config.dcp_size,
         dcp_rank=parallel.dcp_rank,
@@ -25,19 +26,30 @@ def pass_config(config: DCPConfig, parallel: ParallelState, strategy: str) -> Pa
         debug_checks=config.debug_checks,
         attention_strategy=strategy,
         kernels=config.kernels,
+        page_size=page_size,
     )
+
+
+def _own_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """gm with a copy of its graph (nodes and meta), sharing its parameters and buffers."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
 
 
 class DCPBackend:
     """A torch.compile backend for one attention strategy. Keeps one PassReport per captured
-    graph in `reports`."""
+    graph in `reports`. Graph inputs that a lowering feeds from the host (FIA's lengths) are
+    read from `host_slot` on every call."""
 
-    def __init__(self, config: DCPConfig, parallel: ParallelState, strategy: str = "gather-q"):
-        self.config, self.strategy = config, strategy
+    def __init__(self, config: DCPConfig, parallel: ParallelState, strategy: str = "gather-q", page_size: int = 1,
+                 host_slot: HostSlot | None = None):
+        self.config, self.strategy, self.parallel = config, strategy, parallel
+        self.host_slot = host_slot or HostSlot()
         dump_dir = config.dump_dir or os.environ.get("DCP_COMPILE_DUMP") or None
         if dump_dir and config.dcp_size > 1:
             dump_dir = os.path.join(dump_dir, strategy)
-        self.manager = PassManager(pass_config(config, parallel, strategy), config.disabled_passes, dump_dir)
+        self.manager = PassManager(pass_config(config, parallel, strategy, page_size), config.disabled_passes, dump_dir)
         self.reports: list[PassReport] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -46,6 +58,8 @@ class DCPBackend:
                 "the captured graph has no MLA site (dcp::mla_attention): DCP has nothing to shard. "
                 "Write attention with dcp_compile.ops.mla_kv_write / mla_attention."
             )
+        # Dynamo reads its graph's placeholders after this call, and a lowering may add inputs.
+        gm = _own_graph(gm)
         report = self.manager.run(gm)
         self.reports.append(report)
         log.info("dcp_compile graph %d: %s", len(self.reports) - 1, report.summary())
@@ -53,4 +67,12 @@ class DCPBackend:
             from torch._inductor.compile_fx import compile_fx
 
             return compile_fx(gm, example_inputs)
-        return gm.forward
+        feed = host_input_feeder(gm.graph, self.parallel.dcp_rank)
+        if feed is None:
+            return gm.forward
+        slot = self.host_slot
+
+        def run(*args):
+            return gm(*args, *feed(slot.current))
+
+        return run

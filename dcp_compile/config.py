@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 INNER_COMPILERS = ("eager", "inductor")
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = ("auto", "torch", "triton", "npu")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,9 @@ class DCPConfig:
     """Compiler run on the rewritten graph: 'eager' (run the FX graph) or 'inductor'."""
 
     kernels: str = "auto"
-    """'torch' reference kernels, 'triton' kernels, or 'auto' (triton on CUDA, torch elsewhere)."""
+    """'torch' reference kernels, 'triton' kernels, 'npu' (Ascend: FIA for attention over the KV
+    pool, npu_attention_update for the merge; CPU stand-ins where torch_npu is absent), or 'auto'
+    (triton on CUDA, npu on Ascend NPUs, torch elsewhere)."""
 
     attention_strategy: str = "auto"
     """'gather-q', 'gather-kv', or 'auto': the cost model picks per batch (dcp_compile.cost_model)."""
@@ -44,6 +46,8 @@ class DCPConfig:
             raise ValueError(f"inner_compile must be one of {INNER_COMPILERS}, got {self.inner_compile!r}")
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
+        if self.kernels == "npu" and self.inner_compile == "inductor":
+            raise ValueError("kernels='npu' runs with inner_compile='eager' (inductor does not lower the torch_npu ops)")
         if self.attention_strategy not in ("auto", "gather-q", "gather-kv"):
             raise ValueError(f"attention_strategy must be 'auto', 'gather-q' or 'gather-kv', got {self.attention_strategy!r}")
         object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))

@@ -61,6 +61,13 @@ PRESETS: dict[str, MLAModelConfig] = {
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
         layer_types=("mla", "linear", "mla", "mla"), linear_head_dim=8,
     ),
+    # The tiny model with DeepSeek's latent cache (R = 512, P = 64): what Ascend FIA's MLA path
+    # accepts (ASCEND.md §1.4), so the NPU lowering runs on CPU at test sizes.
+    "tiny-512": MLAModelConfig(
+        vocab_size=256, hidden_size=64, num_heads=8, q_lora_rank=48, kv_lora_rank=512,
+        qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, intermediate_size=128,
+        layer_types=("mla", "linear", "mla", "mla"), linear_head_dim=8,
+    ),
     "deepseek-v3": MLAModelConfig(
         vocab_size=129280, hidden_size=7168, num_heads=128, q_lora_rank=1536, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=18432,

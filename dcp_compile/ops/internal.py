@@ -16,6 +16,14 @@ check_metadata(req_to_token, seq_lens, q_seq_ids, q_positions) -> q_positions co
 gather_local_rows(kv_cache, local_req_to_token, local_seq_lens) -> [B, L, D]   (extend, gather-kv)
 gathered_kv_metadata(req_to_token, seq_lens, N, I) -> (page_table [B, N*L], seq_lens, key_positions)
     A page table over the all-gathered rows of every rank, for the gather-kv strategy.
+window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions,
+                 q_seq_ids, q_positions, sm_scale, window) -> (out, lse)
+    Adds each row's keys at or after its first query (the last <= window entries) to a paged
+    kernel's unmasked attention over the keys before it (NPU verify, see lower_npu_attention).
+split_partials(packed [N, T, H, R + w], R) -> (outs [N, T*H, R], lses [N, T*H] fp32)
+    The exchanged partials as npu_attention_update's inputs, with the all-empty-row guard.
+check_host_metadata(block_table, req_to_token, seq_lens, q_seq_ids, q_positions, r, N, I, block_size,
+                    host lengths...) -> block_table copy; raises on stale host metadata (debug).
 """
 
 from __future__ import annotations
@@ -149,3 +157,67 @@ def check_metadata(req_to_token: torch.Tensor, seq_lens: torch.Tensor, q_seq_ids
 @check_metadata.register_fake
 def _(req_to_token, seq_lens, q_seq_ids, q_positions):
     return q_positions.new_empty(q_positions.shape)
+
+
+@custom_op("dcp::window_attention", mutates_args=())
+def window_attention(
+    out_prefix: torch.Tensor,
+    lse_prefix: torch.Tensor,
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    key_positions: torch.Tensor,
+    q_seq_ids: torch.Tensor,
+    q_positions: torch.Tensor,
+    sm_scale: float,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens,
+                                      key_positions, q_seq_ids, q_positions, sm_scale, window)
+
+
+@window_attention.register_fake
+def _(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions,
+      sm_scale, window):
+    tokens, heads, _ = q_latent.shape
+    return q_latent.new_empty(q_latent.shape), q_latent.new_empty((tokens, heads), dtype=torch.float32)
+
+
+@custom_op("dcp::split_partials", mutates_args=())
+def split_partials(packed: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.split_partials(packed, kv_lora_rank)
+
+
+@split_partials.register_fake
+def _(packed, kv_lora_rank):
+    shards, tokens, heads, _ = packed.shape
+    return (packed.new_empty((shards, tokens * heads, kv_lora_rank)),
+            packed.new_empty((shards, tokens * heads), dtype=torch.float32))
+
+
+@custom_op("dcp::check_host_metadata", mutates_args=())
+def check_host_metadata(
+    block_table: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_seq_ids: torch.Tensor,
+    q_positions: torch.Tensor,
+    dcp_rank: int,
+    dcp_size: int,
+    interleave: int,
+    block_size: int,
+    host_local_lens: list[int] | None,
+    host_prefix_lens: list[int] | None,
+    host_cumulative_query_lens: list[int] | None,
+) -> torch.Tensor:
+    reference.check_host_metadata(block_table, req_to_token, seq_lens, q_seq_ids, q_positions, dcp_rank, dcp_size,
+                                  interleave, block_size, host_local_lens, host_prefix_lens, host_cumulative_query_lens)
+    return block_table.clone()
+
+
+@check_host_metadata.register_fake
+def _(block_table, req_to_token, seq_lens, q_seq_ids, q_positions, dcp_rank, dcp_size, interleave, block_size,
+      host_local_lens, host_prefix_lens, host_cumulative_query_lens):
+    return block_table.new_empty(block_table.shape)

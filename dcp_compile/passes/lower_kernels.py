@@ -7,7 +7,8 @@
 Assumes: the DCP rewrites ran (or were switched off); what is left of the canonical ops has the
 unsharded meaning, which the Triton kernels serve with dcp_size 1.
 Guarantees: each swapped node keeps its arguments, users and fake value; ops with no Triton
-kernel keep the torch reference. 'auto' lowers only graphs whose KV cache lives on CUDA.
+kernel keep the torch reference. 'auto' lowers only graphs whose KV cache lives on CUDA, 'npu'
+only graphs whose KV cache lives on an NPU (what lower_npu_attention left, for triton-ascend).
 Why a pass: the kernel choice depends on the device and the deployment, and a visible target in
 the graph says which kernel runs.
 """
@@ -43,6 +44,10 @@ class LowerKernels(GraphPass):
         graph = gm.graph
         device = _graph_device(graph)
         if config.kernels == "auto" and (device is None or device.type != "cuda"):
+            return 0
+        # kernels='npu': what FIA does not serve (KV writes, gather-kv attention) runs the same
+        # Triton kernels under triton-ascend on an NPU; on the CPU stand-ins, the torch reference.
+        if config.kernels == "npu" and (device is None or device.type != "npu"):
             return 0
         lowered = 0
         swaps = {getattr(torch.ops.dcp, name).default: triton_op(name) for name in LAUNCHERS}

@@ -23,6 +23,7 @@ from dcp_compile.passes.cleanup import Cleanup
 from dcp_compile.passes.graph_utils import normalize_meta, op_counts
 from dcp_compile.passes.local_metadata import LocalMetadata
 from dcp_compile.passes.lower_kernels import LowerKernels
+from dcp_compile.passes.lower_npu_attention import LowerNPUAttention
 from dcp_compile.passes.rewrite_attention import RewriteAttention
 from dcp_compile.passes.shard_kv_write import ShardKVWrite
 from dcp_compile.passes.verify import Verify
@@ -32,7 +33,7 @@ log = logging.getLogger("dcp_compile.passes")
 
 def default_passes() -> list[GraphPass]:
     return [CheckLocations(), CheckMetadata(), ShardKVWrite(), LocalMetadata(), RewriteAttention(),
-            GatherKVAttention(), LowerKernels(), Cleanup(), Verify()]
+            GatherKVAttention(), LowerNPUAttention(), LowerKernels(), Cleanup(), Verify()]
 
 
 PASS_NAMES = tuple(p.name for p in default_passes())

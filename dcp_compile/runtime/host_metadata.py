@@ -141,3 +141,48 @@ def _blocks_of(local_rows: torch.Tensor, local_lens: torch.Tensor, block_size: i
         raise ValueError("the page table's local rows do not form whole, aligned local blocks")
     used = torch.arange(blocks)[None, :] * block_size < local_lens[:, None]
     return torch.where(used, table, 0).to(torch.int32)
+
+
+class HostSlot:
+    """The host metadata of the step being run, set by the compiled model around each call and
+    read by the graphs' host-input feeders (steps run one at a time per model)."""
+
+    def __init__(self):
+        self.current: HostMetadata | None = None
+
+
+def host_input_feeder(graph, dcp_rank: int):
+    """For a graph with host-fed inputs (placeholders tagged meta['dcp_host_input'] by a lowering
+    pass), a function HostMetadata -> the values of those inputs, in placeholder order; None for
+    a graph without any."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder" and "dcp_host_input" in n.meta]
+    if not placeholders:
+        return None
+    tagged = [n.meta["dcp_host_input"] for n in placeholders]
+    # Every host-fed graph reads a block table; its rows are the batch's.
+    table = next(n.meta["val"] for n in placeholders if n.meta["dcp_host_input"][0] == "block_table")
+    rows = table.shape[0]
+
+    def feed(host: HostMetadata | None) -> list:
+        if host is None:
+            raise RuntimeError(
+                "this graph's attention reads host-side metadata (local lengths, block table): call the model with "
+                "host_metadata=batch.host (a ForwardBatch from RequestTable), or with the batch tensors on the CPU"
+            )
+        if host.rows != rows:
+            raise ValueError(f"host metadata has {host.rows} rows, the batch has {rows}")
+        rank = host.for_rank(dcp_rank)
+        lists = {"local_len": rank.local_seq_lens, "local_prefix_len": rank.local_prefix_lens,
+                 "cumulative_query_len": rank.cumulative_query_lens}
+        values = []
+        for kind, index in tagged:
+            if kind == "block_table":
+                if rank.block_table is None or rank.block_table.shape != table.shape:
+                    raise ValueError(f"the graph reads a [{rows}, {table.shape[1]}] block table; host metadata has "
+                                     f"{None if rank.block_table is None else list(rank.block_table.shape)}")
+                values.append(rank.block_table.to(table.device, non_blocking=True))
+            else:
+                values.append(lists[kind][index])
+        return values
+
+    return feed

@@ -192,3 +192,85 @@ def check_attention_metadata(req_to_token, seq_lens, q_seq_ids, q_positions) -> 
             f"query token {t} of request {int(q_seq_ids[t])} sits at position {int(q_positions[t])}, "
             f"but that request has seq_len {int(lens[t])}: positions must lie in [0, seq_len)"
         )
+
+
+def first_query_positions(q_seq_ids, q_positions, rows: int):
+    """Each row's smallest query position; NEVER_VISIBLE for a row without queries."""
+    first = torch.full((rows,), NEVER_VISIBLE, dtype=q_positions.dtype, device=q_positions.device)
+    return first.scatter_reduce(0, q_seq_ids, q_positions, "amin")
+
+
+def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions,
+                     q_seq_ids, q_positions, sm_scale: float, window: int):
+    """Complete attention over a row's keys before its first query (out_prefix, lse_prefix, from
+    a paged kernel without a mask) with the row's keys at or after that position, merged by LSE.
+
+    Those keys are the last <= `window` entries of the row's (local) page table, since a row
+    holds at most `window` queries at the positions ending its sequence; each query sees those
+    at or before its own position. Static shapes, no host sync: O(T x window) keys are read.
+    Returns (out [T, H, R] in q's dtype, lse [T, H] fp32).
+    """
+    tokens, heads, rank_dim = q_latent.shape
+    width = page_table.shape[1]
+    offsets = torch.arange(window, device=q_latent.device) - window
+    columns = seq_lens.index_select(0, q_seq_ids)[:, None].to(offsets.dtype) + offsets[None, :]
+    in_table = columns >= 0
+    flat = q_seq_ids[:, None] * width + columns.clamp(0, width - 1)
+    rows = page_table.reshape(-1)[flat]
+    positions = key_positions.reshape(-1)[flat]
+    first = first_query_positions(q_seq_ids, q_positions, seq_lens.shape[0]).index_select(0, q_seq_ids)
+    visible = in_table & (positions >= first[:, None]) & (positions <= q_positions[:, None])
+    keys = kv_cache[rows.long()].float()
+    scores = torch.einsum("thr,twr->thw", q_latent.float(), keys[..., :rank_dim])
+    scores = (scores + torch.einsum("thp,twp->thw", q_rope.float(), keys[..., rank_dim:])) * sm_scale
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("thw,twr->thr", probs, keys[..., :rank_dim])
+    merged, merged_lse = merge_lse(torch.stack([out_prefix.float(), out]), torch.stack([lse_prefix.float(), lse]))
+    return merged.to(q_latent.dtype), merged_lse
+
+
+def split_partials(packed, kv_lora_rank: int):
+    """The exchanged [N, T, H, R + w] buffer as the inputs of Ascend's npu_attention_update:
+    outs [N, T*H, R] and fp32 lses [N, T*H].
+
+    npu_attention_update is undefined (NaN) where every shard is empty (ASCEND.md §1.8): there
+    shard 0's LSE is set to 0, so that row's result is shard 0's output, which pack_partials
+    zeroed for an empty shard.
+    """
+    shards, tokens, heads, _ = packed.shape
+    outs, lses = unpack_partials(packed, kv_lora_rank)
+    all_empty = torch.isinf(lses).all(dim=0)  # +inf is FIA's empty shard, -inf ours
+    lses = torch.cat([torch.where(all_empty, 0.0, lses[0])[None], lses[1:]])
+    return outs.reshape(shards, tokens * heads, kv_lora_rank).contiguous(), lses.reshape(shards, tokens * heads)
+
+
+def check_host_metadata(block_table, req_to_token, seq_lens, q_seq_ids, q_positions, dcp_rank: int, dcp_size: int,
+                        interleave: int, block_size: int, host_local_lens, host_prefix_lens, host_cumulative_query_lens) -> None:
+    """Raise if the host-side metadata a paged kernel is given disagrees with the device tensors
+    (a stale host length after a rejected draft, a block table of another step)."""
+    batch, _ = req_to_token.shape
+    rows, lens, positions = local_metadata(req_to_token, seq_lens, dcp_rank, dcp_size, interleave)
+    if host_local_lens is not None and lens.tolist() != list(host_local_lens):
+        raise ValueError(f"stale host metadata on DCP rank {dcp_rank}: local lengths {list(host_local_lens)} on the host, "
+                         f"{lens.tolist()} from the batch tensors")
+    if host_cumulative_query_lens is not None:
+        counts = torch.diff(torch.tensor([0] + list(host_cumulative_query_lens)))
+        expected = torch.repeat_interleave(torch.arange(batch), counts).to(q_seq_ids.device)
+        if expected.shape != q_seq_ids.shape or not torch.equal(expected, q_seq_ids.to(expected.dtype)):
+            raise ValueError(f"host query lengths {counts.tolist()} do not match q_seq_ids (tokens grouped by row, in row order)")
+    if host_prefix_lens is not None:
+        first = first_query_positions(q_seq_ids, q_positions, batch)
+        width = rows.shape[1]
+        valid = torch.arange(width, device=rows.device)[None, :] < lens[:, None]
+        prefix = (valid & (positions < first[:, None])).sum(dim=1)
+        if prefix.tolist() != list(host_prefix_lens):
+            raise ValueError(f"stale host metadata on DCP rank {dcp_rank}: keys before the first query {list(host_prefix_lens)} "
+                             f"on the host, {prefix.tolist()} from the batch tensors")
+    column = torch.arange(rows.shape[1], device=rows.device)
+    valid = column[None, :] < lens[:, None]
+    block_index = (column // block_size).clamp(max=block_table.shape[1] - 1)
+    expected = block_table.long()[:, block_index] * block_size + column % block_size
+    if bool((valid & (expected != rows)).any()):
+        raise ValueError(f"the host block table of DCP rank {dcp_rank} does not address this batch's local rows")
