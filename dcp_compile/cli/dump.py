@@ -17,6 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from dcp_compile.config import KERNEL_BACKENDS
 from dcp_compile.debug import dump as text_dump
 from dcp_compile.debug.fake_capture import ATTENTION_STRATEGIES, DTYPES, MODES, GraphSpec, capture
 from dcp_compile.models.config import PRESETS
@@ -33,7 +34,8 @@ def register(sub) -> None:
         "dump", help="dump each pass's graph before and after, op counts and timing (no GPU, one process)",
         description="Capture a model preset with shapes only and run the whole DCP pass pipeline on it.",
     )
-    p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--model", default=None,
+                   help=f"model preset: {', '.join(PRESETS)} (default tiny; tiny-512 with --kernels npu)")
     p.add_argument("--layers", type=int, default=None, help="layer count, keeping the preset's pattern")
     p.add_argument("--dcp-size", type=int, default=2, help="DCP size N (default 2)")
     p.add_argument("--tp-size", type=int, default=None, help="TP size; heads are split over it (default: DCP size)")
@@ -53,6 +55,9 @@ def register(sub) -> None:
                    help=f"{', '.join(ATTENTION_STRATEGIES)}: which DCP attention rewrite runs "
                         "(default auto: the cost model picks for this batch, and the summary says why)")
     p.add_argument("--debug-checks", action="store_true", help="also run the debug-check passes")
+    p.add_argument("--kernels", default="auto", choices=KERNEL_BACKENDS,
+                   help="kernels the lowering picks (npu: Ascend FIA and npu_attention_update nodes; default auto)")
+    p.add_argument("--block-size", type=int, default=128, help="--kernels npu: FIA block size (default 128)")
     p.set_defaults(handler=run)
 
 
@@ -80,7 +85,8 @@ def _command(args) -> str:
     """The dump command that reproduces this run, every option spelled out."""
     parts = ["dcp-compile", "dump"]
     for option in ("model", "layers", "dcp_size", "tp_size", "mode", "batch", "draft_len", "chunk", "context",
-                   "interleave", "page_size", "dtype", "attention_strategy", "format", "only", "out"):
+                   "interleave", "page_size", "dtype", "attention_strategy", "kernels", "block_size", "format", "only",
+                   "out"):
         value = getattr(args, option)
         if value is not None:
             parts += [f"--{option.replace('_', '-')}", str(value)]
@@ -113,10 +119,12 @@ def run(args) -> int:
     fmt = args.format
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {list(FORMATS)}")
+    args.model = args.model or ("tiny-512" if args.kernels == "npu" else "tiny")
     spec = GraphSpec(model=args.model, layers=args.layers, dcp_size=args.dcp_size, tp_size=args.tp_size,
                      mode=args.mode, batch=args.batch, draft_len=args.draft_len, chunk=args.chunk,
                      context=args.context, interleave=args.interleave, page_size=args.page_size, dtype=args.dtype,
-                     debug_checks=args.debug_checks, attention_strategy=args.attention_strategy)
+                     debug_checks=args.debug_checks, attention_strategy=args.attention_strategy, kernels=args.kernels,
+                     block_size=args.block_size)
     _check_names(args.only, args.disable)
     if fmt == "svg":
         from dcp_compile.debug.svg import require_dot

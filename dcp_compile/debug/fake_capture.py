@@ -22,11 +22,13 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from dcp_compile import cost_model
+from dcp_compile.config import KERNEL_BACKENDS
 from dcp_compile.models.config import MLAModelConfig, preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes.base import PassConfig
 from dcp_compile.runtime import parallel
 from dcp_compile.runtime.batch import RequestTable
+from dcp_compile.runtime.host_metadata import MAX_FIA_QUERY_TOKENS
 
 MODES = ("decode", "verify", "extend")
 ATTENTION_STRATEGIES = ("auto",) + cost_model.STRATEGIES
@@ -75,6 +77,11 @@ class GraphSpec:
     attention_strategy: str = "auto"
     """How attention reaches the sharded KV: gather-q (rewrite_attention), gather-kv
     (gather_kv_attention), or auto: the cost model's choice for this batch."""
+    kernels: str = "auto"
+    """Kernels the lowering passes pick: auto, torch, triton or npu (Ascend FIA)."""
+    block_size: int = 128
+    """kernels='npu': FIA's block size; the page size defaults to block_size x dcp_size
+    (interleave 1) or block_size (interleave == block_size)."""
 
     def __post_init__(self) -> None:
         cfg = self.model_config()
@@ -92,6 +99,11 @@ class GraphSpec:
             raise ValueError(f"context must be >= 0, got {self.context}")
         if self.page % self.interleave:
             raise ValueError(f"interleave size {self.interleave} must divide the page size {self.page}")
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ValueError(f"unknown kernels {self.kernels!r}; choose one of {list(KERNEL_BACKENDS)}")
+        if self.kernels == "npu" and (cfg.kv_lora_rank, cfg.qk_rope_head_dim) != (512, 64):
+            raise ValueError(f"--kernels npu: FIA's MLA path needs kv_lora_rank 512 and rope dim 64 (ASCEND.md §1.4); "
+                             f"model {self.model} has {cfg.kv_lora_rank} and {cfg.qk_rope_head_dim} (try tiny-512)")
         tp = self.tp
         allowed = allowed_tp_sizes(cfg)
         if tp not in allowed:
@@ -104,7 +116,11 @@ class GraphSpec:
 
     @property
     def page(self) -> int:
-        return self.interleave if self.page_size is None else self.page_size
+        if self.page_size is not None:
+            return self.page_size
+        if self.kernels == "npu":
+            return self.block_size * self.dcp_size if self.interleave == 1 else self.block_size
+        return self.interleave
 
     @property
     def tp(self) -> int:
@@ -130,6 +146,9 @@ class GraphSpec:
     def strategy_decision(self) -> cost_model.Decision:
         """The strategy for this batch: forced, or the cost model's pick and why."""
         cfg = self.model_config()
+        if self.kernels == "npu" and self.new_tokens > MAX_FIA_QUERY_TOKENS:
+            return cost_model.Decision("gather-kv", True, {}, f"{self.new_tokens} query tokens per request: more than "
+                                       f"FIA's {MAX_FIA_QUERY_TOKENS}")
         return cost_model.choose(
             self.attention_strategy, query_tokens=self.query_tokens, rows=self.batch,
             width=self.context + self.new_tokens,
@@ -141,14 +160,15 @@ class GraphSpec:
     def pass_config(self) -> PassConfig:
         return PassConfig(dcp_size=self.dcp_size, dcp_rank=0, interleave=self.interleave,
                           dcp_group_name=FAKE_DCP_GROUP if self.dcp_size > 1 else None,
-                          debug_checks=self.debug_checks, attention_strategy=self.strategy_decision().strategy)
+                          debug_checks=self.debug_checks, attention_strategy=self.strategy_decision().strategy,
+                          kernels=self.kernels, page_size=self.page)
 
     def describe(self) -> str:
         cfg = self.model_config()
         layers = f"{cfg.num_layers} layer{'s' if cfg.num_layers != 1 else ''}"
         return (f"{self.model}, {layers} ({cfg.num_mla_layers} MLA), {self.mode}: "
                 f"{self.batch} x {self.new_tokens} tokens over {self.context} cached, "
-                f"DCP {self.dcp_size} x TP {self.tp}, {self.dtype}")
+                f"DCP {self.dcp_size} x TP {self.tp}, {self.dtype}, kernels {self.kernels}")
 
 
 @dataclass
