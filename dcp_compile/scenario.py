@@ -53,6 +53,8 @@ class Scenario:
     seed: int = 0
     model: str = "tiny"
     layers: int | None = None
+    num_heads: int | None = None
+    """Override the preset's attention heads (e.g. a count FIA needs padded to a power of two)."""
     interleave: int = 1
     page_size: int | None = None
     """Defaults to the interleave size (page-interleaved when I > 1)."""
@@ -72,12 +74,18 @@ class Scenario:
     """kernels='npu': FIA's block size (rows of one local block); pages are block_size x N
     locations (interleave 1) or block_size (interleave == block_size)."""
     device: str = "cpu"
-    """'cpu' (gloo ranks) or 'cuda' (one GPU per rank, NCCL)."""
+    """'cpu' (gloo ranks), 'cuda' (one GPU per rank, NCCL) or 'npu' (one Ascend NPU per rank, HCCL)."""
     dtype: str = "float32"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {list(MODES)}")
+        if self.device not in ("cpu", "cuda", "npu"):
+            raise ValueError(f"unknown device {self.device!r}; choose cpu, cuda or npu")
+        if self.device == "npu":
+            from dcp_compile.lowering.npu import require_torch_npu
+
+            require_torch_npu("device='npu'")
         if self.batch < 1 or self.steps < 0 or self.pad_rows < 0:
             raise ValueError("batch must be >= 1, steps and pad_rows >= 0")
         if not self.contexts or min(self.contexts) < 1:
@@ -120,6 +128,8 @@ class Scenario:
 
     def model_config(self):
         cfg = preset(self.model)
+        if self.num_heads:
+            cfg = cfg.replace(num_heads=self.num_heads)
         return cfg.with_layers(self.layers) if self.layers else cfg
 
 
@@ -206,7 +216,7 @@ class Driver:
 
 def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
     torch.manual_seed(scenario.seed)
-    device = torch.device(scenario.device, rank) if scenario.device == "cuda" else torch.device("cpu")
+    device = torch.device(scenario.device, rank) if scenario.device != "cpu" else torch.device("cpu")
     cfg = scenario.model_config()
     tp = parallel.build(scenario.tp_size, 1)
     prompts = _prompts(scenario, cfg.vocab_size)
@@ -267,7 +277,7 @@ def argmax_flips(base_logits: list[torch.Tensor], dcp_logits: list[torch.Tensor]
 
 def compare(scenario: Scenario) -> dict:
     """Spawn tp_size CPU ranks (gloo), run the comparison, and summarise all ranks."""
-    ranks = spawn(run_on_rank, scenario.tp_size, scenario, backend="nccl" if scenario.device == "cuda" else "gloo")
+    ranks = spawn(run_on_rank, scenario.tp_size, scenario, backend={"cuda": "nccl", "npu": "hccl"}.get(scenario.device, "gloo"))
     head = ranks[0]
     max_abs_diff = max(r["max_abs_diff"] for r in ranks)
     tolerance = scenario.tolerance(max(r["logits_scale"] for r in ranks))

@@ -77,11 +77,11 @@ class Recorder:
 
 
 def run_passes(gm: fx.GraphModule, dcp_size=2, dcp_rank=0, interleave=1, debug_checks=False, disabled=(),
-               attention_strategy="gather-q", kernels="auto"):
+               attention_strategy="gather-q", kernels="auto", page_size=1):
     """Run the default pipeline on a copy of gm. Returns (rewritten gm, report, recorder)."""
     gm = copy.deepcopy(gm)
     recorder = Recorder()
     config = PassConfig(dcp_size, dcp_rank, interleave, "fake-dcp-group" if dcp_size > 1 else None, debug_checks,
-                        attention_strategy, kernels)
+                        attention_strategy, kernels, page_size)
     report = PassManager(config, disabled, observers=[recorder]).run(gm)
     return gm, report, recorder

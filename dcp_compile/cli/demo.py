@@ -50,6 +50,8 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int, default=16,
                    help="--kernels npu: FIA block size; pages are block x dcp_size locations (default 16, small so "
                         "that short contexts cross blocks; engines use 128)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"),
+                   help="ranks on CPU (gloo, default), one CUDA GPU each (NCCL) or one Ascend NPU each (HCCL, needs torch_npu)")
     p.add_argument("--json", action="store_true", help="end with one JSON summary line")
     p.set_defaults(handler=run)
 
@@ -60,6 +62,7 @@ def run(args) -> int:
         page_size=args.page_size, shared_prefix=args.shared_prefix, dcp_size=args.dcp_size, tp_size=args.tp_size or args.dcp_size, batch=args.batch,
         contexts=_lengths(args.context), steps=args.steps, seed=args.seed, layers=args.layers,
         interleave=args.interleave, pad_rows=args.pad_rows, kernels=args.kernels, block_size=args.block_size,
+        device=args.device,
         model=args.model or ("tiny-512" if args.kernels == "npu" else "tiny"),
         dtype=args.dtype or ("bfloat16" if args.kernels == "npu" else "float32"),
     )

@@ -79,6 +79,8 @@ class GraphSpec:
     (gather_kv_attention), or auto: the cost model's choice for this batch."""
     kernels: str = "auto"
     """Kernels the lowering passes pick: auto, torch, triton or npu (Ascend FIA)."""
+    num_heads: int | None = None
+    """Override the preset's attention heads."""
     block_size: int = 128
     """kernels='npu': FIA's block size; the page size defaults to block_size x dcp_size
     (interleave 1) or block_size (interleave == block_size)."""
@@ -128,6 +130,8 @@ class GraphSpec:
 
     def model_config(self) -> MLAModelConfig:
         cfg = preset(self.model)
+        if self.num_heads is not None:
+            cfg = cfg.replace(num_heads=self.num_heads)
         return cfg.with_layers(self.layers) if self.layers is not None else cfg
 
     @property

@@ -52,6 +52,10 @@ class MLAKVPool(nn.Module):
             raise ValueError(f"capacity must be >= 2 (location 0 is reserved), got {capacity}")
         self.num_layers, self.row_dim = num_layers, kv_lora_rank + rope_dim
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        if str(device).startswith("npu"):
+            from dcp_compile.lowering.npu import require_torch_npu
+
+            require_torch_npu("a KV pool on an NPU device")
         self.dtype, self.device = dtype, torch.device(device)
         self.dcp_size, self.dcp_rank, self.interleave = 1, 0, 1
         self.unsharded_rows = capacity

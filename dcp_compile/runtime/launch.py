@@ -17,11 +17,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_backend(backend: str) -> None:
+    """HCCL (Ascend) needs torch_npu; say how to get it rather than fail inside the ranks."""
+    if backend == "hccl":
+        from dcp_compile.lowering.npu import require_torch_npu
+
+        require_torch_npu("the HCCL backend")
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    if backend == "hccl":
+        torch.npu.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         results[rank] = ("ok", fn(rank, world_size, *args))
@@ -39,6 +49,7 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo"):
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_backend(backend)
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
     try:
@@ -54,6 +65,7 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     if "RANK" not in os.environ:
         raise RuntimeError("init_from_env needs a torchrun launch (RANK and WORLD_SIZE unset)")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    check_backend(backend)
     if backend == "nccl":
         if not torch.cuda.is_available() or not dist.is_nccl_available():
             raise RuntimeError("backend 'nccl' asked for, but no CUDA GPU or NCCL is available")
