@@ -261,6 +261,10 @@ class LowerNPUAttention(GraphPass):
         if all_heads != heads:
             q_latent = call(graph, aten.constant_pad_nd.default, q_latent, [0, 0, 0, all_heads - heads])
             q_rope = call(graph, aten.constant_pad_nd.default, q_rope, [0, 0, 0, all_heads - heads])
+        # FIA takes no non-contiguous query; the gathered q's latent and rope are slices of one row.
+        q_latent, q_rope = (x if fake_value(x).is_contiguous() else
+                            call(graph, aten.clone.default, x, memory_format=torch.contiguous_format)
+                            for x in (q_latent, q_rope))
         key, key_rope = views
         common = dict(num_heads=all_heads, scale=site.sm_scale, num_key_value_heads=1, block_table=block_table,
                       block_size=block_size, sparse_mode=0, softmax_lse_flag=True)

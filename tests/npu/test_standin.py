@@ -577,8 +577,8 @@ def combined(*changes):
 def with_query_len(query_len):
     """Every request gets query_len queries (query and query_rope)."""
     return combined(
-        with_query(query=lambda q: q.expand(3, query_len, HEADS, LATENT_DIM)),
-        with_args(query_rope=lambda r: r.expand(3, query_len, HEADS, ROPE_DIM)),
+        with_query(query=lambda q: q.expand(3, query_len, HEADS, LATENT_DIM).contiguous()),
+        with_args(query_rope=lambda r: r.expand(3, query_len, HEADS, ROPE_DIM).contiguous()),
     )
 
 
@@ -798,3 +798,10 @@ def test_attention_update_accepts_its_documented_extremes():
     merged_out, merged_lse = attention_update(lses, outs, 0)
     assert merged_out.shape == (3, 512) and merged_out.dtype == torch.float16
     assert merged_lse.shape == (3,)
+
+
+def test_fia_rejects_a_non_contiguous_query():
+    args, keyword_args = base_decode_call()
+    strided = torch.cat([args[0], args[0]], dim=-1)[..., :LATENT_DIM]
+    with pytest.raises(ValueError, match="query must be contiguous"):
+        fia(strided, *args[1:], **keyword_args)

@@ -188,6 +188,7 @@ def validate_fia(args: FiaArgs) -> FiaPlan:
     Shared by the CPU and fake kernels, so that bad calls fail at trace time too.
     """
     _check_dtypes(args)
+    _check_contiguous_query(args)
     _check_mla_head_dims(args)
     _check_layout(args)
     _check_num_heads(args)
@@ -215,6 +216,15 @@ def _check_dtypes(args: FiaArgs) -> None:
                 f"{name} dtype {tensor.dtype} differs from query dtype {args.query.dtype}; "
                 "MLA needs one dtype for query, key, value, query_rope and key_rope"
             )
+
+
+def _check_contiguous_query(args: FiaArgs) -> None:
+    # torch_npu's API reference for FIA: the query "不支持非连续的Tensor" (no non-contiguous
+    # tensor). Key and value views of a paged cache are not documented either way.
+    for name in ("query", "query_rope"):
+        tensor = getattr(args, name)
+        if tensor is not None and not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (FIA does not take a non-contiguous query)")
 
 
 def _check_mla_head_dims(args: FiaArgs) -> None:
