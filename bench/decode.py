@@ -119,9 +119,9 @@ def slowest(seconds: float, device) -> float:
 class AttentionLayer(nn.Module):
     """One MLA decode attention layer written against the canonical ops."""
 
-    def __init__(self, heads: int, rank_dim: int, rope_dim: int, capacity: int, dtype, device, par):
+    def __init__(self, heads: int, rank_dim: int, rope_dim: int, capacity: int, dtype, device, par, page_size: int = 1):
         super().__init__()
-        self.kv_pool = MLAKVPool(1, capacity, rank_dim, rope_dim, dtype, device)
+        self.kv_pool = MLAKVPool(1, capacity, rank_dim, rope_dim, dtype, device, page_size)
         self.parallel, self.sm_scale = par, (128 + rope_dim) ** -0.5
 
     def forward(self, q_latent, q_rope, latent, rope, out_loc, req_to_token, seq_lens, q_seq_ids, q_positions):

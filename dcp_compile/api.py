@@ -194,11 +194,15 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
         config = config.replace(kernels="npu")
     if config.kernels == "npu":
         _check_npu_lowering(model, pool, config)
+    if config.inner_compile == "torchair":
+        from dcp_compile.lowering.npu import require_torch_npu
+
+        require_torch_npu("inner_compile='torchair'")
     layout = parallel.build(current.tp_size, config.dcp_size)
     pool.reshard(layout.dcp_size, layout.dcp_rank, config.interleave, kv_keep)
     # At dcp_size 1 with kernels='npu', 'gather-kv' names the graph without FIA, for chunks FIA does not serve.
     strategies = cost_model.STRATEGIES if config.dcp_size > 1 or config.kernels == "npu" else ("gather-q",)
-    host_slot = HostSlot()
+    host_slot = HostSlot(layout.dcp_rank)
     backends = {name: DCPBackend(config, layout, name, pool.page_size, host_slot) for name in strategies}
     return DCPModel(model, DCPState(config, layout, pool, backends, host_slot=host_slot))
 

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.config import DCPConfig
+from dcp_compile.lowering.npu.inner_compile import torchair_compiler
 from dcp_compile.passes import PassConfig, PassManager, PassReport
 from dcp_compile.passes.sites import count_mla_sites
 from dcp_compile.runtime.host_metadata import HostSlot, host_input_feeder
@@ -68,11 +69,24 @@ class DCPBackend:
 
             return compile_fx(gm, example_inputs)
         feed = host_input_feeder(gm.graph, self.parallel.dcp_rank)
+        compiled = gm.forward
+        if self.config.inner_compile == "torchair":
+            compiled = torchair_compiler(self.config.torchair_mode)(gm, list(example_inputs) + self._host_examples(gm, feed))
         if feed is None:
-            return gm.forward
-        slot = self.host_slot
+            return compiled
+        slot, fia_args = self.host_slot, gm.meta.get("dcp_fia_host_args")
 
         def run(*args):
-            return gm(*args, *feed(slot.current))
+            slot.fia_args = fia_args
+            return compiled(*args, *feed(slot.current))
 
         return run
+
+    def _host_examples(self, gm: fx.GraphModule, feed) -> list:
+        """Example values of the host-fed inputs for an inner compiler: this step's block table,
+        and the lengths as the SymInts lower_npu_attention made them (symbolic, not constants)."""
+        if feed is None:
+            return []
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and "dcp_host_input" in n.meta]
+        current = feed(self.host_slot.current)
+        return [n.meta["val"] if isinstance(n.meta["val"], torch.SymInt) else value for n, value in zip(placeholders, current)]

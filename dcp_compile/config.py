@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-INNER_COMPILERS = ("eager", "inductor")
+INNER_COMPILERS = ("eager", "inductor", "torchair")
 KERNEL_BACKENDS = ("auto", "torch", "triton", "npu")
 
 
@@ -18,7 +18,11 @@ class DCPConfig:
     """I: consecutive logical locations owned by one rank (1 = token-interleaved)."""
 
     inner_compile: str = "eager"
-    """Compiler run on the rewritten graph: 'eager' (run the FX graph) or 'inductor'."""
+    """Compiler run on the rewritten graph: 'eager' (run the FX graph), 'inductor', or 'torchair'
+    (Ascend: NPU graph capture through torchair; needs torch_npu)."""
+
+    torchair_mode: str = "reduce-overhead"
+    """inner_compile='torchair': 'reduce-overhead' (aclgraph) or 'npugraph_ex' (torch_npu >= 2.14)."""
 
     kernels: str = "auto"
     """'torch' reference kernels, 'triton' kernels, 'npu' (Ascend: FIA for attention over the KV
@@ -46,6 +50,8 @@ class DCPConfig:
             raise ValueError(f"inner_compile must be one of {INNER_COMPILERS}, got {self.inner_compile!r}")
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
+        if self.torchair_mode not in ("reduce-overhead", "npugraph_ex"):
+            raise ValueError(f"torchair_mode must be 'reduce-overhead' or 'npugraph_ex', got {self.torchair_mode!r}")
         if self.kernels == "npu" and self.inner_compile == "inductor":
             raise ValueError("kernels='npu' runs with inner_compile='eager' (inductor does not lower the torch_npu ops)")
         if self.attention_strategy not in ("auto", "gather-q", "gather-kv"):

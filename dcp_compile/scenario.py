@@ -276,8 +276,14 @@ def argmax_flips(base_logits: list[torch.Tensor], dcp_logits: list[torch.Tensor]
 
 
 def compare(scenario: Scenario) -> dict:
-    """Spawn tp_size CPU ranks (gloo), run the comparison, and summarise all ranks."""
+    """Spawn tp_size ranks (gloo on CPU, NCCL on CUDA, HCCL on NPUs), run the comparison, and
+    summarise all ranks."""
     ranks = spawn(run_on_rank, scenario.tp_size, scenario, backend={"cuda": "nccl", "npu": "hccl"}.get(scenario.device, "gloo"))
+    return summarize(scenario, ranks)
+
+
+def summarize(scenario: Scenario, ranks: list[dict]) -> dict:
+    """One verdict from every rank's run_on_rank result."""
     head = ranks[0]
     max_abs_diff = max(r["max_abs_diff"] for r in ranks)
     tolerance = scenario.tolerance(max(r["logits_scale"] for r in ranks))

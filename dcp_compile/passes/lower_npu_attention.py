@@ -38,6 +38,8 @@ The lengths FIA takes are host lists (SymInt[], §1.6): they become graph inputs
 `dcp_local_len_<b>` etc., tagged meta['dcp_host_input']) that the backend feeds from the
 runtime's host metadata on every call, so changing lengths never recompiles and the FIA node
 shows which input feeds each argument. So does the block table (`dcp_block_table`).
+gm.meta['dcp_fia_host_args'] lists, per FIA call in order, which host input feeds each of its
+host-list arguments: what an NPU graph runner refreshes before each replay.
 
 Assumes: rewrite_attention ran (dcp_size > 1) or the graph is the canonical one (dcp_size 1);
 pages map onto whole local blocks (runtime/layout.local_block_size); the queries of a row are
@@ -56,6 +58,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._dynamo.source import ConstantSource
+from torch.fx.experimental.symbolic_shapes import DimDynamic
 
 from dcp_compile.lowering.npu import ensure_ops
 from dcp_compile.passes import sites
@@ -143,8 +147,18 @@ class _HostInputs:
 
     def _ints(self, kind: str, examples: list[int]) -> list[fx.Node]:
         if kind not in self._made:
-            self._made[kind] = [self._placeholder(f"dcp_{kind}_{b}", kind, b, examples[b]) for b in range(self.rows)]
+            self._made[kind] = [self._placeholder(f"dcp_{kind}_{b}", kind, b, self._symbolic(f"dcp_{kind}_{b}", examples[b]))
+                                for b in range(self.rows)]
         return self._made[kind]
+
+    def _symbolic(self, name: str, example: int):
+        """A SymInt (hint: example) where the graph has a shape environment: an inner compiler
+        that captures NPU graphs (torchair) then sees a symbolic input it refreshes before each
+        replay, not a constant it bakes in (ASCEND.md §3.2)."""
+        shape_env = getattr(fake_mode_of(self.graph), "shape_env", None)
+        if shape_env is None:
+            return example
+        return shape_env.create_unspecified_symint_and_symbol(example, ConstantSource(name), DimDynamic.DYNAMIC)
 
     def block_table(self) -> fx.Node:
         if "block_table" not in self._made:
@@ -207,6 +221,11 @@ class LowerNPUAttention(GraphPass):
             graph.erase_node(site.node)
         for node in merges:
             self._lower_merge(graph, node)
+        gm.meta["dcp_fia_host_args"] = [
+            {name: value[0].meta["dcp_host_input"][0] for name, value in node.kwargs.items()
+             if isinstance(value, (list, tuple)) and value and isinstance(value[0], fx.Node)}
+            for node in graph.nodes if node.op == "call_function" and node.target is fia_op()
+        ]
         return len(attention) + len(merges)
 
     @staticmethod

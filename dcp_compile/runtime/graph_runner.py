@@ -1,10 +1,17 @@
-"""CUDA-graph capture and replay of decode / verify steps, per batch bucket and tokens per row.
+"""Graph capture and replay of decode / verify steps, per batch bucket and tokens per row, on CUDA
+graphs or Ascend NPU graphs.
 
-The runner owns static input buffers, one set per (bucket, tokens per row, page-table width), allocated once at
-capture and refreshed in place before every replay; a captured buffer is never reallocated.
-Batches are padded to the bucket with rows that write to location 0 and see no key. Graphs are
-captured on a fully padded batch, so capture itself writes no KV and touches no request state.
-A batch larger than the largest bucket runs eagerly, with one warning.
+The runner owns static input buffers, one set per (bucket, tokens per row, page-table width),
+allocated once at capture and refreshed in place before every replay; a captured buffer is
+never reallocated. Batches are padded to the bucket with rows that write to location 0 and see
+no key. Graphs are captured on a fully padded batch, so capture itself writes no KV and touches
+no request state. A batch larger than the largest bucket runs eagerly, with one warning.
+
+What differs per device lives in a back end: how to capture and replay, and, for NPU graphs,
+the host values FIA bakes into its captured tiling (its kv lengths, ASCEND.md §3.2), which must
+be refreshed before every replay. The runner hands each replay the current step's values; in
+debug mode it checks that the back end holds them (a skipped update would replay another step's
+lengths) and that no captured address moved.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import warnings
 import torch
 
 from dcp_compile.runtime.batch import ForwardBatch
+from dcp_compile.runtime.host_metadata import HostMetadata, HostSlot, fia_update_inputs
 
 log = logging.getLogger("dcp_compile.runtime")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -25,28 +33,101 @@ class StaleAddressError(RuntimeError):
     pass
 
 
+class StaleHostLengthsError(RuntimeError):
+    pass
+
+
+class CudaGraphs:
+    """CUDA graphs: collectives and kernels replay as captured; nothing is host-fed."""
+
+    def __init__(self):
+        if not torch.cuda.is_available():
+            raise RuntimeError("GraphRunner needs a CUDA GPU for CUDA graphs; on CPU call the model directly")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, run):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = run()
+        return graph, output
+
+    def replay(self, graph, updates) -> None:
+        graph.replay()
+
+    def applied(self, graph):
+        return None
+
+
+class NPUGraphs:
+    """Ascend NPU graphs (torch.npu.NPUGraph). Capture records FIA calls with
+    `auto_dispatch_capture`; each replay first pushes the step's FIA lengths with
+    `NPUGraph.update(cpu_update_input=...)`, one dict per recorded FIA call (ASCEND.md §3.2)."""
+
+    def __init__(self):
+        from dcp_compile.lowering.npu import require_torch_npu
+
+        require_torch_npu("NPU graphs")
+        self.device = torch.device("npu", torch.npu.current_device())
+        self.pool = torch.npu.graph_pool_handle()
+        self._applied: dict[int, list] = {}
+
+    def capture(self, run):
+        stream = torch.npu.Stream()
+        stream.wait_stream(torch.npu.current_stream())
+        with torch.npu.stream(stream):
+            for _ in range(2):
+                run()
+        torch.npu.current_stream().wait_stream(stream)
+        graph = torch.npu.NPUGraph()
+        with torch.npu.graph(graph, pool=self.pool, auto_dispatch_capture=True):
+            output = run()
+        return graph, output
+
+    def replay(self, graph, updates) -> None:
+        if updates:
+            graph.update(cpu_update_input=updates)
+            self._applied[id(graph)] = updates
+        graph.replay()
+
+    def applied(self, graph):
+        return self._applied.get(id(graph))
+
+
 class _Captured:
-    def __init__(self, graph, inputs: ForwardBatch, output: torch.Tensor, addresses: list[int]):
+    def __init__(self, graph, inputs: ForwardBatch, output: torch.Tensor, addresses: list[int], fia_args: list):
         self.graph, self.inputs, self.output, self.addresses = graph, inputs, output, addresses
+        self.fia_args = fia_args
+        """Per FIA call of the graph, in order: {FIA argument: host input kind} to refresh."""
 
 
 class GraphRunner:
-    """Replay `step` (a callable taking ForwardBatch.args()) from CUDA graphs.
+    """Replay `step` (a callable taking ForwardBatch.args()) from device graphs.
 
     step: usually `dcp_model.compiled("gather-q")`, one fixed strategy per graph.
+    graphs: the back end, CudaGraphs() by default, or NPUGraphs().
+    host_slot: `dcp_compile.state(model).host_slot`, for steps whose graphs read host-side
+    metadata (kernels='npu'): the runner sets the step's metadata there, and refreshes the
+    captured FIA lengths from it before every replay.
     watched: tensors the graphs read that the runner does not own (the KV caches); in debug mode
     their addresses, and the runner's own buffers', are checked before every replay.
     """
 
-    def __init__(self, step, buckets=DEFAULT_BUCKETS, debug: bool = False, watched=()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("GraphRunner needs a CUDA GPU; on CPU call the model directly")
+    def __init__(self, step, buckets=DEFAULT_BUCKETS, debug: bool = False, watched=(), graphs=None,
+                 host_slot: HostSlot | None = None):
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
+        self.graphs = graphs if graphs is not None else CudaGraphs()
         self.step, self.buckets, self.debug = step, tuple(sorted(buckets)), debug
         self.watched = list(watched)
-        self.graphs: dict[tuple[int, int], _Captured] = {}
-        self.mempool = torch.cuda.graph_pool_handle()
+        self.host_slot = host_slot
+        self.captured: dict[tuple[int, int, int], _Captured] = {}
         self._warned = False
 
     def bucket_for(self, rows: int) -> int | None:
@@ -56,24 +137,30 @@ class GraphRunner:
     def _addresses(self, inputs: ForwardBatch) -> list[int]:
         return [t.data_ptr() for t in inputs.args()] + [t.data_ptr() for t in self.watched]
 
+    def _run(self, batch: ForwardBatch):
+        if self.host_slot is None:
+            return self.step(*batch.args())
+        self.host_slot.current = batch.host
+        try:
+            return self.step(*batch.args())
+        finally:
+            self.host_slot.current = None
+
     def capture(self, template: ForwardBatch, tokens_per_row: int) -> _Captured:
         """Capture the graph for template's bucket and page-table width. Verify graphs (more than
         one token per row) return logits for every token; decode graphs, for every row."""
         bucket = self.bucket_for(template.rows)
-        device = torch.device("cuda", torch.cuda.current_device())
-        inputs = ForwardBatch.empty(template.req_to_token.shape[1]).padded(bucket, tokens_per_row).to(device)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.step(*inputs.args())
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            output = self.step(*inputs.args())
-        captured = _Captured(graph, inputs, output, self._addresses(inputs))
-        self.graphs[(bucket, tokens_per_row, template.req_to_token.shape[1])] = captured
-        log.info("captured a CUDA graph for bucket %d x %d tokens", bucket, tokens_per_row)
+        width = template.req_to_token.shape[1]
+        inputs = ForwardBatch.empty(width).padded(bucket, tokens_per_row).to(self.graphs.device)
+        if template.host is not None:
+            inputs.host = HostMetadata.empty_like(template.host, width).padded(bucket, tokens_per_row)
+        if self.host_slot is not None:
+            self.host_slot.fia_args = None
+        graph, output = self.graphs.capture(lambda: self._run(inputs))
+        fia_args = self.host_slot.fia_args if self.host_slot is not None else None
+        captured = _Captured(graph, inputs, output, self._addresses(inputs), fia_args or [])
+        self.captured[(bucket, tokens_per_row, width)] = captured
+        log.info("captured a graph for bucket %d x %d tokens", bucket, tokens_per_row)
         return captured
 
     def __call__(self, batch: ForwardBatch, tokens_per_row: int = 1) -> torch.Tensor:
@@ -85,15 +172,21 @@ class GraphRunner:
                     stacklevel=2,
                 )
                 self._warned = True
-            return self.step(*batch.to("cuda").args())
+            return self._run(batch.to(self.graphs.device))
         key = (bucket, tokens_per_row, batch.req_to_token.shape[1])
-        captured = self.graphs.get(key) or self.capture(batch, tokens_per_row)
+        captured = self.captured.get(key) or self.capture(batch, tokens_per_row)
         if self.debug and self._addresses(captured.inputs) != captured.addresses:
             raise StaleAddressError("an input or KV buffer of a captured graph moved since capture")
         padded = batch.padded(bucket, tokens_per_row)
         for static, fresh in zip(captured.inputs.args(), padded.args()):
             static.copy_(fresh, non_blocking=True)
-        captured.graph.replay()
+        updates = None
+        if captured.fia_args:
+            updates = fia_update_inputs(captured.fia_args, padded.host.for_rank(self.host_slot.dcp_rank))
+        self.graphs.replay(captured.graph, updates)
+        if self.debug and updates is not None and self.graphs.applied(captured.graph) != updates:
+            raise StaleHostLengthsError(
+                "the captured graph's FIA lengths were not refreshed for this step: it would replay another step's lengths"
+            )
         real = batch.logits_index.shape[0]
         return captured.output[:real].clone()
-

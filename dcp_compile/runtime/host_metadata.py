@@ -77,6 +77,15 @@ class HostMetadata:
         table = self.block_tables[rank] if self.block_tables is not None else None
         return RankHostMetadata(self.query_lens, self.local_seq_lens[rank], self.local_prefix_lens[rank], table)
 
+    @classmethod
+    def empty_like(cls, host: "HostMetadata", width: int) -> "HostMetadata":
+        """No rows, in host's layout, for a page table `width` wide (padded(), a capture batch)."""
+        empty = ((),) * host.dcp_size
+        tables = None
+        if host.block_tables is not None:
+            tables = torch.zeros(host.dcp_size, 0, block_table_width(width, host.page_size), dtype=torch.int32)
+        return cls(host.dcp_size, host.interleave, host.page_size, (), empty, empty, tables)
+
     def padded(self, rows: int, tokens_per_row: int) -> "HostMetadata":
         """Grown to `rows` rows; padded rows have `tokens_per_row` queries and no key."""
         extra = rows - self.rows
@@ -144,11 +153,22 @@ def _blocks_of(local_rows: torch.Tensor, local_lens: torch.Tensor, block_size: i
 
 
 class HostSlot:
-    """The host metadata of the step being run, set by the compiled model around each call and
-    read by the graphs' host-input feeders (steps run one at a time per model)."""
+    """The host metadata of the step being run, set by the compiled model (or a graph runner)
+    around each call and read by the graphs' host-input feeders (steps run one at a time per
+    model). `fia_args` is what the last graph run feeds its FIA calls (see fia_update_inputs)."""
 
-    def __init__(self):
+    def __init__(self, dcp_rank: int = 0):
+        self.dcp_rank = dcp_rank
         self.current: HostMetadata | None = None
+        self.fia_args: list[dict[str, str]] | None = None
+
+
+def fia_update_inputs(fia_args: list[dict[str, str]], host: RankHostMetadata) -> list[dict[str, list[int]]]:
+    """The `cpu_update_input` of an NPU graph: for each FIA call, in order, its host-list
+    arguments with this step's values. fia_args maps each argument to a host input kind."""
+    lists = {"local_len": list(host.local_seq_lens), "local_prefix_len": list(host.local_prefix_lens),
+             "cumulative_query_len": host.cumulative_query_lens}
+    return [{argument: lists[kind] for argument, kind in call.items()} for call in fia_args]
 
 
 def host_input_feeder(graph, dcp_rank: int):

@@ -56,7 +56,7 @@ def test_graph_replay_matches_eager_with_padded_rows():
         got = runner(graph_table.extend_batch([0, 1, 2], tokens))  # 3 rows run in the 4-row graph
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         tokens = [[int(t)] for t in expected.argmax(-1)]
-    assert list(runner.graphs) == [(4, 1, 64)]
+    assert list(runner.captured) == [(4, 1, 64)]
 
 
 @cuda
@@ -78,7 +78,7 @@ def test_batch_beyond_largest_bucket_falls_back_to_eager_once():
         runner(table.extend_batch([0, 1, 2], [[1], [2], [3]]))
         runner(table.extend_batch([0, 1, 2], [[1], [2], [3]]))
     assert sum("exceeds the largest captured bucket" in str(w.message) for w in caught) == 1
-    assert runner.graphs == {}
+    assert runner.captured == {}
 
 
 def _graph_vs_eager_on_rank(rank: int, world_size: int) -> float:

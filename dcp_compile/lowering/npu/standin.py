@@ -476,8 +476,21 @@ def _fia_cpu(query, key, value, **keyword_args):
     return _compute_fia(args, plan)
 
 
+_HOST_LIST_ARGUMENTS = ("actual_seq_lengths", "actual_seq_lengths_kv")
+
+
+def _with_hints(keyword_args: dict) -> dict:
+    """Host lengths traced as SymInts (graph inputs an NPU graph refreshes) are checked at their
+    example values: comparing the SymInts themselves would add guards that specialise them."""
+    hinted = dict(keyword_args)
+    for name in _HOST_LIST_ARGUMENTS:
+        if hinted.get(name) is not None:
+            hinted[name] = [v.node.hint if isinstance(v, torch.SymInt) else v for v in hinted[name]]
+    return hinted
+
+
 def _fia_fake(query, key, value, **keyword_args):
-    plan = validate_fia(bind_fia_args(query, key, value, keyword_args))
+    plan = validate_fia(bind_fia_args(query, key, value, _with_hints(keyword_args)))
     return (
         query.new_empty(plan.attention_out_shape),
         query.new_empty(plan.softmax_lse_shape, dtype=torch.float32),
@@ -498,7 +511,7 @@ def _fia_out_cpu(query, key, value, *, attention_out, softmax_lse, workspace=Non
 
 
 def _fia_out_fake(query, key, value, *, attention_out, softmax_lse, workspace=None, **keyword_args):
-    args = bind_fia_args(query, key, value, keyword_args)
+    args = bind_fia_args(query, key, value, _with_hints(keyword_args))
     _check_out_buffers(args, validate_fia(args), attention_out, softmax_lse)
     return attention_out, softmax_lse
 

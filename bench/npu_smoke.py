@@ -1,0 +1,207 @@
+"""Ascend smoke benchmark, for anyone with an Ascend machine: is DCP right there, and how fast is
+one decode attention layer with NPU graphs.
+
+    torchrun --nproc-per-node 2 bench/npu_smoke.py --out bench/results/npu_smoke.json   # 2 NPUs, HCCL
+    python bench/npu_smoke.py --standin --out /tmp/npu_smoke.json                      # CPU, stand-ins
+
+On NPUs (torch_npu, CANN >= 8.5):
+  - correctness: DCP = 2 against DCP = 1 under the NPU lowering (FIA + npu_attention_update),
+    decode and verify with k = 7, the tiny-512 model in bf16 (dcp_compile.scenario);
+  - timing: one MLA decode attention layer at Kimi-K2 shapes (64 heads in all, TP = 2, R = 512,
+    P = 64, bf16, FIA block size 128), DCP = 1 and DCP = 2 side by side, replayed from NPU graphs
+    whose FIA lengths are refreshed before every replay; median step time, slowest rank.
+It writes the JSON schema of bench/decode.py (command, date, machine, versions, shapes,
+attention_layer rows), plus the correctness verdicts.
+`--standin` runs the same script on CPU ranks (gloo) against the stand-ins, at tiny contexts and
+without graphs, to check the script itself; CI runs it. Its times say nothing about Ascend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import dcp_compile  # noqa: E402
+from dcp_compile import scenario as scenarios  # noqa: E402
+from dcp_compile.runtime import parallel  # noqa: E402
+from dcp_compile.runtime.batch import RequestTable  # noqa: E402
+from dcp_compile.runtime.graph_runner import NPUGraphs  # noqa: E402
+from dcp_compile.runtime.host_metadata import fia_update_inputs  # noqa: E402
+from dcp_compile.runtime.launch import init_from_env, spawn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import AttentionLayer, slowest  # noqa: E402
+
+CORRECTNESS = [
+    scenarios.Scenario(mode="decode", dcp_size=2, tp_size=2, batch=5, contexts=(1, 3, 130, 300, 17), steps=8,
+                       kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16),
+    scenarios.Scenario(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=4, contexts=(1, 3, 130, 40), steps=4,
+                       kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16),
+]
+VERDICT_KEYS = ("mode", "dcp_size", "tp_size", "tokens_match", "near_tie_flips", "outputs_match", "max_abs_diff",
+                "tolerance", "finite", "graphs_captured", "graph_keys", "seconds")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results/npu_smoke.json")
+    p.add_argument("--contexts", default="8192,32768,131072")
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--heads", type=int, default=64, help="query heads in all (Kimi-K2: 64)")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--standin", action="store_true", help="CPU ranks on the stand-ins, tiny contexts, no graphs")
+    args = p.parse_args(argv)
+    if args.standin:
+        args.contexts, args.batches, args.block_size, args.replays = "40,300", "1,4", 16, 3
+    args.contexts = [int(v) for v in args.contexts.split(",") if v]
+    args.batches = [int(v) for v in args.batches.split(",") if v]
+    return args
+
+
+def correctness(rank: int, world: int, device: str) -> list[dict]:
+    verdicts = []
+    for case in CORRECTNESS:
+        case = replace(case, device=device)
+        result = scenarios.run_on_rank(rank, world, case)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        verdict = scenarios.summarize(case, gathered)
+        verdicts.append({key: verdict[key] for key in VERDICT_KEYS})
+    return verdicts
+
+
+class Stepper:
+    """One layer's decode step; replayed from an NPU graph with its FIA lengths refreshed, or eager."""
+
+    def __init__(self, model, inputs, host, device):
+        self.model, self.inputs, self.host, self.device = model, inputs, host, device
+        self.graph = self.updates = None
+        state = dcp_compile.state(model)
+        if device.type == "npu":
+            self.graphs = NPUGraphs()
+            slot = state.host_slot
+            slot.current = host
+            self.graph, _ = self.graphs.capture(lambda: model.compiled("gather-q")(*inputs))
+            slot.current = None
+            self.updates = fia_update_inputs(slot.fia_args, host.for_rank(state.parallel.dcp_rank))
+
+    def __call__(self):
+        if self.graph is not None:
+            self.graphs.replay(self.graph, self.updates)
+        else:
+            self.model(*self.inputs, host_metadata=self.host)
+
+    def median_seconds(self, replays: int) -> float:
+        self()
+        seconds = []
+        for _ in range(replays):
+            self._sync()
+            start = time.perf_counter()
+            self()
+            self._sync()
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds)
+
+    def _sync(self):
+        if self.device.type == "npu":
+            torch.npu.synchronize()
+
+
+def decode_batch(table: RequestTable, batch: int, context: int, device):
+    """Every request holds `context` tokens; the step appends one each."""
+    for request in range(batch):
+        table.append(request, context - 1)
+    step = table.extend_batch(list(range(batch)), [[1]] * batch)
+    return step.to(device)
+
+
+def bench_attention_layer(args, dcp_size: int, device, tp) -> list[dict]:
+    heads_local = args.heads // 2
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            page_size = args.block_size * dcp_size
+            capacity = (batch * (-(-context // page_size)) + 1) * page_size
+            layer = AttentionLayer(heads_local, 512, 64, capacity, torch.bfloat16, device, tp, page_size)
+            model = dcp_compile.apply(layer, dcp_size, kernels="npu", attention_strategy="gather-q", kv_keep="capacity")
+            table = RequestTable(batch, context, model.dcp_state.kv_pool.capacity, page_size, dcp_size=dcp_size)
+            step = decode_batch(table, batch, context, device)
+            gen = torch.Generator(device=device).manual_seed(batch * 7 + context)
+
+            def rand(*shape):
+                return torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
+
+            inputs = (rand(batch, heads_local, 512), rand(batch, heads_local, 64), rand(batch, 512), rand(batch, 64),
+                      step.out_loc, step.req_to_token, step.seq_lens, step.q_seq_ids, step.positions)
+            stepper = Stepper(model, inputs, step.host, device)
+            rows.append({"dcp_size": dcp_size, "context": context, "batch": batch,
+                         "step_seconds": slowest(stepper.median_seconds(args.replays), device),
+                         "graph": stepper.graph is not None})
+            del model, layer, stepper
+    return rows
+
+
+def run(rank: int, world: int, args) -> dict:
+    device = torch.device("cpu") if args.standin else torch.device("npu", torch.npu.current_device())
+    started = time.time()
+    tp = parallel.build(2, 1)
+    result = {
+        "command": ("python " if args.standin else "torchrun --nproc-per-node 2 ") + " ".join(shlex.quote(a) for a in sys.argv),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "device": "cpu (stand-ins)" if args.standin else torch.npu.get_device_name(device),
+                    "ranks": world},
+        "versions": {"torch": torch.__version__,
+                     "torch_npu": None if args.standin else __import__("torch_npu").__version__},
+        "shapes": {"heads_total": args.heads, "tp_size": 2, "kv_lora_rank": 512, "rope_dim": 64, "dtype": "torch.bfloat16",
+                   "block_size": args.block_size},
+        "correctness": correctness(rank, world, "cpu" if args.standin else "npu"),
+        "attention_layer": [row for n in (1, 2) for row in bench_attention_layer(args, n, device, tp)],
+    }
+    result["seconds"] = time.time() - started
+    return result
+
+
+def _spawned(rank: int, world: int, args) -> dict:
+    return run(rank, world, args)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.standin:
+        result = spawn(_spawned, 2, args)[0]
+    else:
+        rank, world = init_from_env("hccl")
+        if world != 2:
+            raise SystemExit(f"bench/npu_smoke.py runs on 2 ranks (torchrun --nproc-per-node 2), got {world}")
+        result = run(rank, world, args)
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    for verdict in result["correctness"]:
+        print(f"{verdict['mode']:>6}: tokens_match {verdict['tokens_match']}, outputs_match {verdict['outputs_match']} "
+              f"(max abs diff {verdict['max_abs_diff']:.3g} / {verdict['tolerance']:.3g})")
+    for row in result["attention_layer"]:
+        print(f"DCP {row['dcp_size']}  context {row['context']:>6}  batch {row['batch']:>3}: "
+              f"{row['step_seconds'] * 1e6:9.1f} us ({'graph' if row['graph'] else 'eager'})")
+    ok = all(v["tokens_match"] and v["outputs_match"] and v["finite"] for v in result["correctness"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""NPU graphs without an NPU: what the torchair inner compiler is handed, the graph runner's
+logic on a fake graph back end (buckets, the FIA lengths pushed before each replay, a skipped
+update caught in debug mode), and bench/npu_smoke.py in its stand-in mode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dcp_compile
+from dcp_compile import backend as dcp_backend
+from dcp_compile.lowering import npu as npu_lowering
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.runtime.batch import RequestTable
+from dcp_compile.runtime.graph_runner import GraphRunner, StaleHostLengthsError
+
+ROOT = Path(__file__).resolve().parents[2]
+npu_lowering.ensure_ops()
+FIA = torch.ops.npu.npu_fused_infer_attention_score.default
+
+
+def npu_model(**config):
+    model = MLAModel(preset("tiny-512"), 2048, max_requests=4, dtype=torch.bfloat16, page_size=16)
+    return dcp_compile.apply(model, 1, kernels="npu", **config)
+
+
+def test_torchair_is_handed_symbolic_fia_lengths(monkeypatch):
+    handed = []
+
+    def fake_torchair(mode):
+        assert mode == "reduce-overhead"
+
+        def compile_graph(gm, example_inputs):
+            handed.append((gm, list(example_inputs)))
+            return gm.forward
+
+        return compile_graph
+
+    monkeypatch.setattr(npu_lowering, "require_torch_npu", lambda what: None)
+    monkeypatch.setattr(dcp_backend, "torchair_compiler", fake_torchair)
+    model, eager = npu_model(inner_compile="torchair"), npu_model()
+    tables = [RequestTable(4, 64, 2048, 16) for _ in range(2)]
+    outs = []
+    for step in range(21):  # a prefill, then 20 decode steps whose lengths all change
+        tokens = [[1] * 5, [2] * 9, [3]] if step == 0 else [[step]] * 3
+        for m, table in zip((model, eager), tables):
+            batch = table.extend_batch([0, 1, 2], tokens, pad_rows=1)
+            outs.append(m(*batch.args(), host_metadata=batch.host))
+        assert torch.equal(outs[-2], outs[-1])
+    assert len(handed) == 2  # the prefill (TND: at most 16 tokens a row) and the decode graph, once each
+    gm, example_inputs = handed[1]
+    fia = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is FIA)
+    lengths = fia.kwargs["actual_seq_lengths_kv"]
+    assert all(isinstance(n.meta["val"], torch.SymInt) and n.op == "placeholder" for n in lengths)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    symbolic = [example for node, example in zip(placeholders, example_inputs) if node in lengths]
+    assert len(symbolic) == 4 and all(isinstance(v, torch.SymInt) for v in symbolic)
+
+
+class FakeGraphs:
+    """A graph back end without a device: capture runs the step once; replay records the FIA
+    lengths pushed to the graph (or drops them, to stand for an update that did not happen)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, drop_updates: bool = False):
+        self.drop_updates, self.captures, self.pushed = drop_updates, 0, []
+        self._applied = {}
+
+    def capture(self, run):
+        self.captures += 1
+        return object(), run()
+
+    def replay(self, graph, updates):
+        self.pushed.append(updates)
+        if not self.drop_updates:
+            self._applied[id(graph)] = updates
+
+    def applied(self, graph):
+        return self._applied.get(id(graph))
+
+
+def runner_and_table(graphs, **runner_args):
+    model = npu_model()
+    table = RequestTable(4, 64, 2048, 16)
+    prefill = table.extend_batch([0, 1, 2], [[1] * 5, [2] * 20, [3] * 2])
+    model(*prefill.args(), host_metadata=prefill.host)
+    state = dcp_compile.state(model)
+    runner = GraphRunner(model.compiled("gather-q"), buckets=(1, 2, 4), graphs=graphs, host_slot=state.host_slot,
+                         **runner_args)
+    return runner, table
+
+
+def test_runner_pushes_the_current_fia_lengths_before_every_replay():
+    graphs = FakeGraphs()
+    runner, table = runner_and_table(graphs, debug=True)
+    assert [runner.bucket_for(rows) for rows in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+    layers = preset("tiny-512").num_mla_layers
+    runner(table.extend_batch([0, 1, 2], [[1]] * 3))
+    assert graphs.pushed[-1] == [{"actual_seq_lengths_kv": [6, 21, 3, 0]}] * layers  # padded to the bucket of 4
+    runner(table.extend_batch([0, 1, 2], [[1]] * 3))
+    assert graphs.pushed[-1] == [{"actual_seq_lengths_kv": [7, 22, 4, 0]}] * layers  # after an append
+    verify = table.extend_batch([0, 1, 2], [[1] * 3] * 3, all_logits=True)
+    runner(verify, tokens_per_row=3)
+    assert graphs.pushed[-1] == [{"actual_seq_lengths": [3, 6, 9, 12], "actual_seq_lengths_kv": [7, 22, 4, 0]}] * layers
+    for request in range(3):  # reject every draft
+        table.truncate(request, int(table.seq_lens[request]) - 2)
+    runner(table.extend_batch([0, 1, 2], [[1]] * 3))
+    assert graphs.pushed[-1] == [{"actual_seq_lengths_kv": [9, 24, 6, 0]}] * layers  # after the reject
+    assert graphs.captures == 2  # one decode graph, one verify graph
+    with pytest.warns(UserWarning, match="exceeds the largest captured bucket"):
+        runner(table.extend_batch([0, 1, 2], [[1]] * 3, pad_rows=2))  # 5 rows: eager
+
+
+def test_a_skipped_fia_update_is_caught_in_debug_mode():
+    runner, table = runner_and_table(FakeGraphs(drop_updates=True), debug=True)
+    with pytest.raises(StaleHostLengthsError, match="not refreshed"):
+        runner(table.extend_batch([0, 1, 2], [[1]] * 3))
+
+
+def test_npu_smoke_script_runs_on_the_standins(tmp_path):
+    out = tmp_path / "smoke.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "npu_smoke.py"), "--standin", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert {"command", "date", "machine", "versions", "shapes", "attention_layer", "correctness"} <= set(result)
+    assert [v["mode"] for v in result["correctness"]] == ["decode", "verify"]
+    assert all(v["tokens_match"] and v["outputs_match"] for v in result["correctness"])
+    assert {(r["dcp_size"], r["context"], r["batch"]) for r in result["attention_layer"]} == {
+        (n, c, b) for n in (1, 2) for c in (40, 300) for b in (1, 4)}
+    assert all(r["step_seconds"] > 0 for r in result["attention_layer"])
