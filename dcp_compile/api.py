@@ -12,6 +12,8 @@ from torch import nn
 from dcp_compile import cost_model
 from dcp_compile.backend import DCPBackend
 from dcp_compile.config import DCPConfig
+from dcp_compile.passes.cache_use import CacheMisuseError
+from dcp_compile.passes.graph_utils import RewriteError
 from dcp_compile.passes.manager import check_pass_names
 from dcp_compile.runtime import parallel
 from dcp_compile.runtime.host_metadata import MAX_FIA_QUERY_TOKENS, HostMetadata, HostSlot
@@ -54,18 +56,35 @@ class DCPState:
 
 RECOMPILE_LIMIT = 256
 """Graphs are static-shape (one per batch shape and strategy), so allow many per model."""
+ACCUMULATED_RECOMPILE_LIMIT = 1 << 14
+"""Dynamo counts the graphs of one forward() over every instance of the model class: a process
+that builds several models (a DCP and a dcp_size=1 one, or test after test) must not share 256."""
 
 
 def _raise_recompile_limit() -> None:
     config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
-        if hasattr(config, name) and getattr(config, name) < RECOMPILE_LIMIT:
-            setattr(config, name, RECOMPILE_LIMIT)
+    for name, limit in (("recompile_limit", RECOMPILE_LIMIT), ("cache_size_limit", RECOMPILE_LIMIT),
+                        ("accumulated_recompile_limit", ACCUMULATED_RECOMPILE_LIMIT),
+                        ("accumulated_cache_size_limit", ACCUMULATED_RECOMPILE_LIMIT)):
+        if hasattr(config, name) and getattr(config, name) < limit:
+            setattr(config, name, limit)
+
+
+def _refuse_direct_calls(module: nn.Module, args) -> None:
+    """Forward pre-hook on a module passed to apply(): only the DCPModel may run it."""
+    if not getattr(module, "_dcp_step_running", False):
+        raise RuntimeError(
+            f"this {type(module).__name__} was passed to dcp_compile.apply, which resharded its KV pool: call the "
+            "module apply() returned (model = dcp_compile.apply(model, ...)), not the original"
+        )
 
 
 class DCPModel(nn.Module):
     """The compiled model. Each call picks the attention strategy for its batch (forced, or by
-    the cost model) and runs that strategy's compiled graph."""
+    the cost model) and runs that strategy's compiled graph.
+
+    Wrapping it in torch.compile works: its forward is opaque to an outer compile (a graph break
+    there), so DCP's own compile still runs; with fullgraph=True the outer compile raises."""
 
     def __init__(self, model: nn.Module, state: DCPState):
         super().__init__()
@@ -74,6 +93,9 @@ class DCPModel(nn.Module):
         self.dcp_state = state
         self._compiled = {name: torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
                           for name, backend in state.backends.items()}
+        self._agreed_shapes: set[tuple] = set()
+        model._dcp_step_running = False
+        model.register_forward_pre_hook(_refuse_direct_calls)
 
     def compiled(self, strategy: str = "gather-q"):
         """The compiled step of one strategy, for callers that fix it (CUDA-graph capture)."""
@@ -81,6 +103,7 @@ class DCPModel(nn.Module):
             raise ValueError(f"no {strategy!r} variant; this model has {sorted(self._compiled)}")
         return self._compiled[strategy]
 
+    @torch.compiler.disable(reason="dcp_compile runs its own compile of the model; an outer compile cannot inline it")
     def forward(self, *args, host_metadata: HostMetadata | None = None, **kwargs):
         """Run one step. host_metadata: the batch's host-side local metadata (`ForwardBatch.host`),
         needed by kernels that take host values (kernels='npu'); without it, it is computed from
@@ -89,13 +112,48 @@ class DCPModel(nn.Module):
         if state.needs_host_metadata:
             host_metadata = self._host_metadata(args, kwargs, host_metadata)
         decision = self._decide(args, kwargs, host_metadata)
+        self._check_peers_agree(args, kwargs, decision.strategy)
         state.strategy_counts[decision.strategy] += 1
         state.last_decision = decision
         state.host_slot.current = host_metadata
+        self.model._dcp_step_running = True
         try:
             return self._compiled[decision.strategy](*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            # The passes' own errors say what is wrong with the model or the batch: surface them as
+            # they are, not wrapped in dynamo's compiler-failure report.
+            if isinstance(exc.inner_exception, (ValueError, TypeError, CacheMisuseError, RewriteError)):
+                raise exc.inner_exception from None
+            raise
+        except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+            raise RuntimeError(
+                f"this model compiled {RECOMPILE_LIMIT} graphs, one per distinct batch shape: pad batches to a few "
+                "shapes (RequestTable.extend_batch(..., bucket=True) rounds tokens and rows up to powers of two)"
+            ) from exc
         finally:
+            self.model._dcp_step_running = False
             state.host_slot.current = None
+
+    def _check_peers_agree(self, args, kwargs, strategy: str) -> None:
+        """At the first step of each batch shape, the DCP peers compare shapes (one all-gather of
+        one int): ranks given different batches get a clear error instead of a hang or garbage."""
+        state = self.dcp_state
+        if state.config.dcp_size == 1:
+            return
+        tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        key = (tuple(tuple(t.shape) for t in tensors), cost_model.STRATEGIES.index(strategy))
+        if key in self._agreed_shapes:
+            return
+        signature = torch.tensor([hash(key) & ((1 << 62) - 1)], dtype=torch.int64, device=tensors[0].device)
+        group = dist.distributed_c10d._resolve_process_group(state.parallel.dcp_group_name)
+        gathered = torch.empty(state.config.dcp_size, dtype=torch.int64, device=signature.device)
+        dist.all_gather_into_tensor(gathered, signature, group=group)
+        if bool((gathered != signature).any()):
+            raise ValueError(
+                f"DCP rank {state.parallel.dcp_rank} was given a batch of shapes {list(key[0])} ({strategy}), and a "
+                "DCP peer a different one: every rank of a DCP group must run the same step with the same batch"
+            )
+        self._agreed_shapes.add(key)
 
     def _host_metadata(self, args, kwargs, host: HostMetadata | None) -> HostMetadata:
         state = self.dcp_state
@@ -183,13 +241,17 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     kv_keep='capacity' keeps the logical capacity and shrinks the rows. With dcp_size=1 the
     result is the plain compiled model, the baseline every DCP run is compared with.
     """
+    if isinstance(model, DCPModel):
+        raise ValueError("this model was already applied (it is what dcp_compile.apply returned): apply the original "
+                         "model once")
     config = config.replace(dcp_size=dcp_size, **config_fields) if config else DCPConfig(dcp_size=dcp_size, **config_fields)
     check_pass_names(config.disabled_passes)
     pool, current = _check_model(model)
+    if config.dcp_size > 1 and not dist.is_initialized():
+        raise RuntimeError(f"dcp_size {config.dcp_size} needs torch.distributed initialised with >= {config.dcp_size} ranks "
+                           "(init_process_group on every rank, or dcp_compile.runtime.launch)")
     world = dist.get_world_size() if dist.is_initialized() else 1
     parallel.validate_sizes(current.tp_size, config.dcp_size, world)
-    if config.dcp_size > 1 and not dist.is_initialized():
-        raise RuntimeError(f"dcp_size {config.dcp_size} needs torch.distributed initialised with >= {config.dcp_size} ranks")
     if config.kernels == "auto" and pool.device.type == "npu":
         config = config.replace(kernels="npu")
     if config.kernels == "npu":
@@ -203,7 +265,7 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     # At dcp_size 1 with kernels='npu', 'gather-kv' names the graph without FIA, for chunks FIA does not serve.
     strategies = cost_model.STRATEGIES if config.dcp_size > 1 or config.kernels == "npu" else ("gather-q",)
     host_slot = HostSlot(layout.dcp_rank)
-    backends = {name: DCPBackend(config, layout, name, pool.page_size, host_slot) for name in strategies}
+    backends = {name: DCPBackend(config, layout, name, pool.page_size, host_slot, pool) for name in strategies}
     return DCPModel(model, DCPState(config, layout, pool, backends, host_slot=host_slot))
 
 

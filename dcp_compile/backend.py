@@ -11,6 +11,7 @@ import torch.fx as fx
 from dcp_compile.config import DCPConfig
 from dcp_compile.lowering.npu.inner_compile import torchair_compiler
 from dcp_compile.passes import PassConfig, PassManager, PassReport
+from dcp_compile.passes.cache_use import check_cache_use
 from dcp_compile.passes.sites import count_mla_sites
 from dcp_compile.runtime.host_metadata import HostSlot, host_input_feeder
 from dcp_compile.runtime.parallel import ParallelState
@@ -44,8 +45,8 @@ class DCPBackend:
     read from `host_slot` on every call."""
 
     def __init__(self, config: DCPConfig, parallel: ParallelState, strategy: str = "gather-q", page_size: int = 1,
-                 host_slot: HostSlot | None = None):
-        self.config, self.strategy, self.parallel = config, strategy, parallel
+                 host_slot: HostSlot | None = None, pool=None):
+        self.config, self.strategy, self.parallel, self.pool = config, strategy, parallel, pool
         self.host_slot = host_slot or HostSlot()
         dump_dir = config.dump_dir or os.environ.get("DCP_COMPILE_DUMP") or None
         if dump_dir and config.dcp_size > 1:
@@ -54,6 +55,8 @@ class DCPBackend:
         self.reports: list[PassReport] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
+        if self.pool is not None:
+            check_cache_use(gm.graph, example_inputs, [self.pool.cache(i) for i in range(self.pool.num_layers)])
         if self.config.dcp_size > 1 and count_mla_sites(gm.graph) == 0:
             raise ValueError(
                 "the captured graph has no MLA site (dcp::mla_attention): DCP has nothing to shard. "

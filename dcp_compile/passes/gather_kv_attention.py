@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import call, fake_value
+from dcp_compile.passes.graph_utils import call, check_replacement, fake_value
 from dcp_compile.passes.rewrite_attention import group_name
 
 c10d = torch.ops._c10d_functional
@@ -58,6 +58,7 @@ class GatherKVAttention(GraphPass):
                 partial = call(graph, sites.PARTIAL_ATTENTION, site.q_latent, site.q_rope, rows, *gathered[key],
                                site.q_seq_ids, site.q_positions, site.sm_scale)
                 out = call(graph, operator.getitem, partial, 0)
+            check_replacement(site.node, out, self.name)
             site.node.replace_all_uses_with(out)
         for site in attention:
             graph.erase_node(site.node)

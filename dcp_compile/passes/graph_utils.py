@@ -124,3 +124,20 @@ def op_name(node: fx.Node) -> str:
 
 def op_counts(graph: fx.Graph) -> collections.Counter:
     return collections.Counter(op_name(n) for n in graph.nodes if n.op in ("call_function", "call_method"))
+
+
+class RewriteError(RuntimeError):
+    """A pass built a replacement that breaks the canonical op's promise."""
+
+
+def check_replacement(replaced: fx.Node, replacement: fx.Node, pass_name: str) -> None:
+    """The node standing in for `replaced` must keep its dtype and shape: model code after an
+    MLA site relies on what the canonical op promises."""
+    old, new = fake_value(replaced), fake_value(replacement)
+    if not isinstance(old, torch.Tensor) or not isinstance(new, torch.Tensor):
+        return
+    if old.dtype != new.dtype or tuple(old.shape) != tuple(new.shape):
+        raise RewriteError(
+            f"{pass_name} replaced {replaced.format_node()} ({old.dtype}, {tuple(old.shape)}) with a value of "
+            f"{new.dtype}, {tuple(new.shape)}"
+        )

@@ -64,7 +64,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic
 from dcp_compile.lowering.npu import ensure_ops
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import call, fake_mode_of, fake_value
+from dcp_compile.passes.graph_utils import call, check_replacement, fake_mode_of, fake_value
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.host_metadata import MAX_FIA_QUERY_TOKENS, block_table_width
 
@@ -213,10 +213,14 @@ class LowerNPUAttention(GraphPass):
                     views[site.cache] = self._paged_views(graph, site, block_size)
                 out, lse = self._attention(graph, site, host, checked_table, views[site.cache], block_size, decode)
             if site.returns_lse:
+                outputs = fake_value(site.node)
+                if (out.meta["val"].dtype, lse.meta["val"].dtype) != (outputs[0].dtype, outputs[1].dtype):
+                    raise RuntimeError(f"{self.name}: FIA's outputs do not keep the partial attention's dtypes")
                 for user in list(site.node.users):
                     user.replace_all_uses_with(out if user.args[1] == 0 else lse)
                     graph.erase_node(user)
             else:
+                check_replacement(site.node, out, self.name)
                 site.node.replace_all_uses_with(out)
             graph.erase_node(site.node)
         for node in merges:
@@ -277,6 +281,8 @@ class LowerNPUAttention(GraphPass):
         rows, width = fake_value(site.req_to_token).shape
         all_heads = padded_heads(heads)
         q_latent, q_rope = site.q_latent, site.q_rope
+        if fake_value(q_rope).dtype != fake_value(q_latent).dtype:  # FIA takes one dtype (ASCEND.md §1.9)
+            q_rope = call(graph, aten._to_copy.default, q_rope, dtype=fake_value(q_latent).dtype)
         if all_heads != heads:
             q_latent = call(graph, aten.constant_pad_nd.default, q_latent, [0, 0, 0, all_heads - heads])
             q_rope = call(graph, aten.constant_pad_nd.default, q_rope, [0, 0, 0, all_heads - heads])

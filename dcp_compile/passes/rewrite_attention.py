@@ -11,7 +11,9 @@ all-to-all carrying out + fp32 LSE, and the LSE merge.
 Assumes: local_metadata ran (it supplies `meta`); the DCP group holds the N TP ranks whose heads
 are gathered, in rank order (runtime/parallel.py).
 Guarantees: each rank ends with exactly its own heads; the collectives are visible graph nodes;
-an already-rewritten site (no mla_attention left) is not touched again.
+an already-rewritten site (no mla_attention left) is not touched again; q_latent and q_rope keep
+their dtypes through the gather (the cat promotes, the slices are cast back), and the merged
+output has the replaced node's dtype and shape (checked).
 Why a pass: the exchange pattern is the same for every MLA model, and keeping the collectives
 in the graph lets later passes fuse, overlap and measure them.
 """
@@ -25,7 +27,7 @@ import torch.fx as fx
 
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import call, fake_value
+from dcp_compile.passes.graph_utils import call, check_replacement, fake_value
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -35,6 +37,15 @@ def group_name(config: PassConfig) -> str:
     if config.dcp_group_name is None:
         raise RuntimeError("DCP attention rewrites need a DCP process group name when dcp_size > 1")
     return config.dcp_group_name
+
+
+def _as_dtype(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """The gathered q is one tensor in the promoted dtype of q_latent and q_rope (a model may keep
+    rope in fp32); each part goes back to its own dtype, exactly, so the partial attention sees
+    what dcp_size=1 sees and returns q_latent's dtype."""
+    if fake_value(node).dtype == dtype:
+        return node
+    return call(graph, aten._to_copy.default, node, dtype=dtype)
 
 
 class RewriteAttention(GraphPass):
@@ -60,8 +71,8 @@ class RewriteAttention(GraphPass):
                 q = call(graph, aten.view.default, q, [n, tokens, heads, row_dim])
                 q = call(graph, aten.transpose.int, q, 0, 1)
                 q = call(graph, aten.reshape.default, q, [tokens, n * heads, row_dim])
-                q_latent = call(graph, aten.slice.Tensor, q, -1, 0, rank_dim)
-                q_rope = call(graph, aten.slice.Tensor, q, -1, rank_dim, row_dim)
+                q_latent = _as_dtype(graph, call(graph, aten.slice.Tensor, q, -1, 0, rank_dim), fake_value(site.q_latent).dtype)
+                q_rope = _as_dtype(graph, call(graph, aten.slice.Tensor, q, -1, rank_dim, row_dim), fake_value(site.q_rope).dtype)
                 local = [call(graph, operator.getitem, meta, i) for i in range(3)]
                 partial = call(graph, sites.PARTIAL_ATTENTION, q_latent, q_rope, site.cache, *local,
                                site.q_seq_ids, site.q_positions, site.sm_scale)
@@ -70,6 +81,7 @@ class RewriteAttention(GraphPass):
                 exchanged = call(graph, c10d.all_to_all_single.default, packed, [1] * n, [1] * n, group)
                 exchanged = call(graph, c10d.wait_tensor.default, exchanged)
                 merged = call(graph, torch.ops.dcp.merge_partials.default, exchanged, rank_dim)
+            check_replacement(site.node, merged, self.name)
             site.node.replace_all_uses_with(merged)
         for site in attention:
             graph.erase_node(site.node)

@@ -82,6 +82,22 @@ class ForwardBatch:
 MAX_DRAFT_LEN = 16
 
 
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def padded_row_tokens(rows: int, counts: list[int], pad_rows: int, bucket: bool) -> list[int]:
+    """Query tokens of each padded row: one each, or, bucketed, enough rows and tokens to reach
+    the bucket shape (see RequestTable.extend_batch)."""
+    if not bucket:
+        return [1] * pad_rows
+    if counts and len(set(counts)) == 1 and counts[0] <= MAX_DRAFT_LEN:
+        return [counts[0]] * (_next_power_of_two(rows + pad_rows) - rows)
+    padded_rows = _next_power_of_two(rows + max(pad_rows, 1)) - rows
+    tokens = sum(counts) + padded_rows
+    return [1 + _next_power_of_two(tokens) - tokens] + [1] * (padded_rows - 1)
+
+
 def check_draft_len(k: int) -> None:
     if not 1 <= k <= MAX_DRAFT_LEN:
         raise ValueError(f"verify length k must be in [1, {MAX_DRAFT_LEN}], got {k}")
@@ -208,11 +224,16 @@ class RequestTable:
         self.local_seq_lens[target] = self._count_local(self.req_to_token[target, :prefix_len])
 
     def extend_batch(self, requests: list[int], tokens: list[list[int]], pad_rows: int = 0,
-                     all_logits: bool = False) -> ForwardBatch:
+                     all_logits: bool = False, bucket: bool = False) -> ForwardBatch:
         """A batch that appends tokens[i] to requests[i] (prefill, extend, decode or verify).
 
         Logits come for each request's last token, or for every token with all_logits (verify).
         Each padded row is one query token that writes to location 0 and sees no key.
+
+        bucket=True pads the batch to one of few shapes, so that a server compiles O(log) graphs
+        instead of one per token count: rows are rounded up to a power of two; when every row
+        has the same k <= 16 tokens (decode, verify), padded rows get k tokens each, else the
+        tokens are rounded up to a power of two too, the extra ones on the first padded row.
         """
         ids, positions, q_seq_ids, out_loc, logits_index = [], [], [], [], []
         prefix_lens = []
@@ -225,24 +246,29 @@ class RequestTable:
             positions.extend(range(start, start + len(new_tokens)))
             q_seq_ids.extend([row] * len(new_tokens))
             logits_index.extend(range(first, len(ids)) if all_logits else [len(ids) - 1])
-        rows = len(requests) + pad_rows
+        pad_tokens = padded_row_tokens(len(requests), [len(t) for t in tokens], pad_rows, bucket)
+        rows = len(requests) + len(pad_tokens)
         req_to_token = torch.zeros(rows, self.max_context, dtype=torch.int64)
         seq_lens = torch.zeros(rows, dtype=torch.int64)
         req_to_token[: len(requests)] = self.req_to_token[requests]
         seq_lens[: len(requests)] = self.seq_lens[requests]
         state_slots = torch.zeros(rows, dtype=torch.int64)
         state_slots[: len(requests)] = torch.tensor(requests) + 1
-        pad = list(range(len(requests), rows))
+        padded = sum(pad_tokens)
+        for row, count in enumerate(pad_tokens, start=len(requests)):
+            first = len(q_seq_ids)
+            q_seq_ids.extend([row] * count)
+            logits_index.extend(range(first, len(q_seq_ids)) if all_logits else [first])
         return ForwardBatch(
-            input_ids=torch.tensor(ids + [0] * pad_rows, dtype=torch.int64),
-            positions=torch.tensor(positions + [0] * pad_rows, dtype=torch.int64),
-            q_seq_ids=torch.tensor(q_seq_ids + pad, dtype=torch.int64),
-            out_loc=torch.cat(out_loc + [torch.zeros(pad_rows, dtype=torch.int64)]),
+            input_ids=torch.tensor(ids + [0] * padded, dtype=torch.int64),
+            positions=torch.tensor(positions + [0] * padded, dtype=torch.int64),
+            q_seq_ids=torch.tensor(q_seq_ids, dtype=torch.int64),
+            out_loc=torch.cat(out_loc + [torch.zeros(padded, dtype=torch.int64)]),
             req_to_token=req_to_token,
             seq_lens=seq_lens,
             state_slots=state_slots,
-            logits_index=torch.tensor(logits_index + [len(ids) + i for i in range(pad_rows)], dtype=torch.int64),
-            host=self._host_metadata(requests, [len(t) for t in tokens], prefix_lens, pad_rows),
+            logits_index=torch.tensor(logits_index, dtype=torch.int64),
+            host=self._host_metadata(requests, [len(t) for t in tokens] + pad_tokens, prefix_lens, len(pad_tokens)),
         )
 
     def _host_metadata(self, requests: list[int], query_lens: list[int], prefix_lens: list[torch.Tensor],
@@ -255,6 +281,6 @@ class RequestTable:
             tables = self.block_tables[:, requests]
             tables = torch.cat([tables, tables.new_zeros(self.dcp_size, pad_rows, tables.shape[2])], dim=1)
         return HostMetadata(
-            self.dcp_size, self.interleave, self.page_size, tuple(query_lens) + (1,) * pad_rows,
+            self.dcp_size, self.interleave, self.page_size, tuple(query_lens),
             tuple(tuple(r) + zeros for r in local), tuple(tuple(r) + zeros for r in prefix), tables,
         )

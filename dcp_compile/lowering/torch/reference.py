@@ -28,7 +28,11 @@ def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, 
     """Write [latent | rope] for each token whose location this rank owns; skip location 0."""
     keep = (loc != layout.PADDING_LOC) & (layout.owner(loc, dcp_size, interleave) == dcp_rank)
     rows = layout.local_row(loc[keep], dcp_size, interleave)
-    kv_cache[rows] = torch.cat([latent[keep], rope[keep]], dim=-1).to(kv_cache.dtype)
+    try:
+        kv_cache[rows] = torch.cat([latent[keep], rope[keep]], dim=-1).to(kv_cache.dtype)
+    except IndexError:  # name the user's location, not this rank's local row
+        check_write_locations(loc, kv_cache.shape[0], dcp_size, interleave)
+        raise
 
 
 def local_metadata(req_to_token, seq_lens, dcp_rank: int, dcp_size: int, interleave: int):

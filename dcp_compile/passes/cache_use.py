@@ -1,0 +1,60 @@
+"""The model contract's cache rule, checked on the captured graph before any pass runs: the KV
+pool's buffers are read and written only by the canonical ops, and the canonical ops get the
+pool's current buffers.
+
+A layer that indexes its cache itself, or writes it with `cache[loc] = ...`, runs unsharded
+against a sharded pool; a model that kept cache tensors from before apply() resharded the pool
+runs against stale tensors. Both give finite, wrong logits, so both are errors here, naming the
+op and the model source line (the FX node's stack trace).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from dcp_compile.passes import sites
+from dcp_compile.passes.graph_utils import op_name
+
+CANONICAL = (sites.KV_WRITE, sites.ATTENTION)
+
+
+class CacheMisuseError(RuntimeError):
+    pass
+
+
+def source_line(node: fx.Node) -> str:
+    """The model line that produced `node`, from dynamo's stack trace."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    frames = [line.strip() for line in trace if line.strip().startswith("File ")]
+    if not frames:
+        return "unknown source line"
+    code = trace[-1].strip() if not trace[-1].strip().startswith("File ") else ""
+    return f"{frames[-1]}: {code}" if code else frames[-1]
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.shape == b.shape
+
+
+def check_cache_use(graph: fx.Graph, example_inputs, caches: list[torch.Tensor]) -> None:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    pool_nodes = set()
+    for node, example in zip(placeholders, example_inputs):
+        if isinstance(example, torch.Tensor) and any(_same_storage(example, cache) for cache in caches):
+            pool_nodes.add(node)
+    for node in pool_nodes:
+        for user in node.users:
+            if user.op != "call_function" or user.target not in CANONICAL:
+                raise CacheMisuseError(
+                    f"the KV pool's cache is used by {op_name(user)} at {source_line(user)}: only "
+                    "dcp_compile.ops.mla_kv_write and mla_attention may read or write it (the README's model "
+                    "contract), since DCP shards it by tokens"
+                )
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in CANONICAL and node.args[0 if node.target is sites.KV_WRITE else 2] not in pool_nodes:
+            raise CacheMisuseError(
+                f"{op_name(node)} at {source_line(node)} is given a cache that is not one of the KV pool's current "
+                "buffers (a tensor kept from before apply() resharded the pool?): read it with self.kv_pool.cache(i) "
+                "inside forward"
+            )

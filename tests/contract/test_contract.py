@@ -1,0 +1,204 @@
+"""The model contract holds for a model of the tests' own (tests/contract/model.py): an outer
+torch.compile keeps DCP on, q_rope in fp32 keeps every dtype, cache access outside the canonical
+ops and stale cache tensors are errors that name the op and the line, the original module cannot
+run after apply, ranks given different batches get a clear error, and bucketed batches compile a
+few graphs over 1,000 distinct prefill lengths. DCP 2 runs in one spawn of two gloo ranks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import dcp_compile
+from dcp_compile.passes.cache_use import CacheMisuseError
+from dcp_compile.runtime.batch import RequestTable
+from dcp_compile.runtime.launch import spawn
+from tests.contract.model import ContractModel, step_args
+
+PREFILLS = 1000
+
+
+def one_step(model, table_rows=4, tokens=([1, 2, 3], [4])):
+    table = RequestTable(table_rows, 32, 512)
+    batch = table.extend_batch(list(range(len(tokens))), [list(t) for t in tokens], pad_rows=1)
+    return model(*step_args(batch))
+
+
+def run_prefills(model, capacity: int, seed: int = 0) -> set:
+    """Prefills of PREFILLS distinct lengths (1..PREFILLS, shuffled) in batches of 1 to 4 rows,
+    bucketed; each request is freed after its step. Returns the distinct batch shapes run."""
+    rng = random.Random(seed)
+    lengths = list(range(1, PREFILLS + 1))
+    rng.shuffle(lengths)
+    table = RequestTable(4, PREFILLS, capacity)
+    shapes = set()
+    while lengths:
+        rows = min(rng.randint(1, 4), len(lengths))
+        batch_lengths, lengths = lengths[:rows], lengths[rows:]
+        batch = table.extend_batch(list(range(rows)), [[1] * n for n in batch_lengths], bucket=True)
+        shapes.add((batch.input_ids.shape[0], batch.rows))
+        logits = model(*step_args(batch))
+        assert torch.isfinite(logits).all()
+        for request in range(rows):
+            table.truncate(request, 0)
+    return shapes
+
+
+# --- dcp_size 1, in this process -------------------------------------------------------------
+
+
+def test_outer_torch_compile_runs_dcp_compile():
+    reference, model = ContractModel(), dcp_compile.apply(ContractModel(), 1)
+    outer = torch.compile(model, backend="eager")
+    assert torch.equal(one_step(outer), one_step(reference))
+    assert len(dcp_compile.state(model).reports) == 1  # DCP's backend captured the graph
+
+
+def test_outer_compile_of_a_wrapper_runs_dcp_or_says_why_not():
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args):
+            return self.inner(*args) * 2
+
+    reference, model = ContractModel(), dcp_compile.apply(ContractModel(), 1)
+    assert torch.equal(one_step(torch.compile(model, backend="eager", fullgraph=True)), one_step(reference))
+    with pytest.raises(Exception, match="dcp_compile runs its own compile"):
+        one_step(torch.compile(Wrapper(model), backend="eager", fullgraph=True))
+    torch._dynamo.reset()
+    assert torch.equal(one_step(torch.compile(Wrapper(model), backend="eager")), 2 * one_step(ContractModel()))
+
+
+def test_the_original_module_cannot_run_after_apply():
+    original = ContractModel()
+    model = dcp_compile.apply(original, 1)
+    with pytest.raises(RuntimeError, match="call the module apply\\(\\) returned"):
+        one_step(original)
+    assert torch.isfinite(one_step(model)).all()
+
+
+def test_apply_twice_and_dcp_without_distributed():
+    model = dcp_compile.apply(ContractModel(), 1)
+    with pytest.raises(ValueError, match="already applied"):
+        dcp_compile.apply(model, 1)
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
+        dcp_compile.apply(ContractModel(), 2)
+
+
+@pytest.mark.parametrize("misuse, op", [("read", "getitem"), ("write", "setitem")])
+def test_cache_access_outside_the_canonical_ops_is_an_error(misuse, op):
+    model = dcp_compile.apply(ContractModel(misuse=misuse), 1)
+    with pytest.raises(CacheMisuseError, match=f"used by {op} at File .*contract/model.py\", line \\d+"):
+        one_step(model)
+
+
+def test_cache_tensors_kept_from_before_apply_are_an_error():
+    model = dcp_compile.apply(ContractModel(keep_caches=True), 1)
+    with pytest.raises(CacheMisuseError, match="not one of the KV pool's current buffers"):
+        one_step(model)
+
+
+def test_out_of_pool_location_names_the_location_and_range():
+    model = dcp_compile.apply(ContractModel(capacity=64), 1)
+    table = RequestTable(2, 32, 64)
+    batch = table.extend_batch([0], [[1, 2]])
+    batch.out_loc[1] = 64
+    with pytest.raises(IndexError, match="location 64 is outside the pool: valid locations are 1..63"):
+        model(*step_args(batch))
+
+
+def test_bucketed_prefills_compile_a_few_graphs_at_dcp_size_one():
+    model = dcp_compile.apply(ContractModel(layers=1, capacity=8192), 1)
+    shapes = run_prefills(model, 8192)
+    graphs = len(dcp_compile.state(model).reports)
+    assert graphs == len(shapes) <= 40  # log2 buckets of tokens x rows, not one per length
+
+
+# --- dcp_size 2: one spawn of two gloo ranks --------------------------------------------------
+
+
+def _outcome(fn):
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # reported to the test, which asserts on it
+        return (type(exc).__name__, str(exc))
+
+
+def _dcp_two(rank: int, world: int) -> dict:
+    results = {}
+
+    def outer_compile():
+        reference = dcp_compile.apply(ContractModel(tp_size=2), 1)
+        model = dcp_compile.apply(ContractModel(tp_size=2), 2)
+        got, expected = one_step(torch.compile(model, backend="eager")), one_step(reference)
+        pool = dcp_compile.state(model).kv_pool
+        return {"max_diff": (got - expected).abs().max().item(), "dcp_graphs": len(dcp_compile.state(model).reports),
+                "rows_per_rank": pool.rows_per_rank, "pass_summary": dcp_compile.state(model).pass_summary()}
+
+    def mixed_dtypes(strategy):
+        def run():
+            kwargs = dict(tp_size=2, dtype=torch.bfloat16, rope_in_fp32=True)
+            reference = dcp_compile.apply(ContractModel(**kwargs), 1)
+            model = dcp_compile.apply(ContractModel(**kwargs), 2, attention_strategy=strategy)
+            got, expected = one_step(model), one_step(reference)
+            return {"dtype": str(got.dtype), "max_diff": (got - expected).abs().max().item(),
+                    "scale": expected.abs().max().item()}
+        return run
+
+    def different_batches():
+        model = dcp_compile.apply(ContractModel(tp_size=2), 2)
+        return one_step(model, tokens=([1, 2, 3], [4]) if rank == 0 else ([1, 2], [4], [5]))
+
+    results["outer_compile"] = _outcome(outer_compile)
+    results["mixed_gather_q"] = _outcome(mixed_dtypes("gather-q"))
+    results["mixed_gather_kv"] = _outcome(mixed_dtypes("gather-kv"))
+    results["misuse"] = _outcome(lambda: one_step(dcp_compile.apply(ContractModel(tp_size=2, misuse="read"), 2)))
+    results["different_batches"] = _outcome(different_batches)
+    model = dcp_compile.apply(ContractModel(layers=1, tp_size=2, capacity=8192), 2)
+    shapes = run_prefills(model, 2 * 8192)
+    results["prefills"] = ("ok", {"shapes": len(shapes), "graphs": len(dcp_compile.state(model).reports)})
+    return results
+
+
+@pytest.fixture(scope="module")
+def dcp_two():
+    return spawn(_dcp_two, 2)
+
+
+def test_outer_torch_compile_keeps_dcp_on(dcp_two):
+    for rank in dcp_two:
+        status, result = rank["outer_compile"]
+        assert status == "ok", result
+        assert result["max_diff"] < 1e-5 and result["dcp_graphs"] == 1
+        assert result["pass_summary"]["rewrite_attention"] + result["pass_summary"]["gather_kv_attention"] == 2
+
+
+def test_fp32_rope_keeps_every_dtype_under_both_strategies(dcp_two):
+    for rank in dcp_two:
+        for strategy in ("mixed_gather_q", "mixed_gather_kv"):
+            status, result = rank[strategy]
+            assert status == "ok", result
+            assert result["dtype"] == "torch.float32"  # the model's logits, as at dcp_size 1
+            assert result["max_diff"] <= 2 ** -8 * 6 * result["scale"]  # bf16 rounding (scenario.half_precision_tolerance)
+
+
+def test_cache_misuse_is_an_error_at_dcp_two(dcp_two):
+    for rank in dcp_two:
+        status, message = rank["misuse"]
+        assert status == "CacheMisuseError" and "contract/model.py" in message
+
+
+def test_ranks_given_different_batches_get_a_clear_error(dcp_two):
+    for rank in dcp_two:
+        status, message = rank["different_batches"]
+        assert status == "ValueError" and "same step with the same batch" in message
+
+
+def test_bucketed_prefills_compile_a_few_graphs_at_dcp_two(dcp_two):
+    for rank in dcp_two:
+        counts = rank["prefills"][1]
+        assert counts["graphs"] <= 2 * counts["shapes"] <= 80  # per shape: gather-q and gather-kv at most
