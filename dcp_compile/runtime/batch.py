@@ -176,20 +176,36 @@ class RequestTable:
     def free_locations(self) -> int:
         return len(self.free_pages) * self.page_size
 
-    def append(self, request: int, count: int) -> torch.Tensor:
-        """Give `request` `count` new tokens; return their locations."""
+    def _check_request(self, request) -> None:
+        if isinstance(request, bool) or not isinstance(request, int) or not 0 <= request < len(self.pages):
+            raise ValueError(f"request must be an int in [0, {len(self.pages)}), got {request!r}")
+
+    def _pages_needed(self, request: int, count: int) -> int:
+        """Pages `request` needs for `count` more tokens; raises if it may not have them."""
+        self._check_request(request)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"a request appends a whole number of tokens >= 0, got {count!r}")
         start = int(self.seq_lens[request])
         end = start + count
         if end > self.max_context:
             raise ValueError(f"request {request} would reach {end} tokens, max_context is {self.max_context}")
-        pages_needed = -(-end // self.page_size) - len(self.pages[request])
+        if count and start % self.page_size and self.page_users.get(self.pages[request][-1], 0) > 1:
+            raise ValueError(f"request {request} would append into a shared page; fork at a page boundary")
+        return -(-end // self.page_size) - len(self.pages[request])
+
+    def _check_free(self, pages_needed: int, what: str) -> None:
         if pages_needed * self.page_size > self.free_locations():
             raise MemoryError(
-                f"a chunk of {count} tokens overflows the KV pool: request {request} needs {pages_needed} "
-                f"more pages of {self.page_size}, {len(self.free_pages)} free"
+                f"{what} overflows the KV pool: it needs {pages_needed} more pages of {self.page_size}, "
+                f"{len(self.free_pages)} free"
             )
-        if start % self.page_size and self.page_users.get(self.pages[request][-1], 0) > 1:
-            raise ValueError(f"request {request} would append into a shared page; fork at a page boundary")
+
+    def append(self, request: int, count: int) -> torch.Tensor:
+        """Give `request` `count` new tokens; return their locations. Nothing changes on error."""
+        pages_needed = self._pages_needed(request, count)
+        self._check_free(pages_needed, f"a chunk of {count} tokens for request {request}")
+        start = int(self.seq_lens[request])
+        end = start + count
         self._add_pages(request, [self._take_page() for _ in range(pages_needed)])
         positions = torch.arange(start, end)
         pages = torch.tensor(self.pages[request], dtype=torch.int64)
@@ -201,6 +217,7 @@ class RequestTable:
 
     def truncate(self, request: int, length: int) -> None:
         """Keep the first `length` tokens (e.g. the accepted drafts); release the rest."""
+        self._check_request(request)
         current = int(self.seq_lens[request])
         if not 0 <= length <= current:
             raise ValueError(f"cannot truncate request {request} of {current} tokens to {length}")
@@ -211,6 +228,8 @@ class RequestTable:
 
     def fork(self, source: int, target: int, prefix_len: int) -> None:
         """Make empty request `target` share the first `prefix_len` tokens of `source`."""
+        self._check_request(source)
+        self._check_request(target)
         if prefix_len % self.page_size or prefix_len > int(self.seq_lens[source]):
             raise ValueError(f"a shared prefix must be whole pages of {self.page_size} within the source, got {prefix_len}")
         if int(self.seq_lens[target]):
@@ -235,6 +254,7 @@ class RequestTable:
         has the same k <= 16 tokens (decode, verify), padded rows get k tokens each, else the
         tokens are rounded up to a power of two too, the extra ones on the first padded row.
         """
+        self._check_batch(requests, tokens, pad_rows)
         ids, positions, q_seq_ids, out_loc, logits_index = [], [], [], [], []
         prefix_lens = []
         for row, (request, new_tokens) in enumerate(zip(requests, tokens)):
@@ -270,6 +290,21 @@ class RequestTable:
             logits_index=torch.tensor(logits_index, dtype=torch.int64),
             host=self._host_metadata(requests, [len(t) for t in tokens] + pad_tokens, prefix_lens, len(pad_tokens)),
         )
+
+    def _check_batch(self, requests: list[int], tokens: list[list[int]], pad_rows: int) -> None:
+        """Everything extend_batch could fail on, before anything is allocated: a batch is
+        taken whole or not at all."""
+        if len(requests) != len(tokens):
+            raise ValueError(f"{len(requests)} requests but {len(tokens)} token lists")
+        if len(set(requests)) != len(requests):
+            raise ValueError(f"a request appears twice in one batch: {requests}")
+        if isinstance(pad_rows, bool) or not isinstance(pad_rows, int) or pad_rows < 0:
+            raise ValueError(f"pad_rows must be an int >= 0, got {pad_rows!r}")
+        for request, new_tokens in zip(requests, tokens):
+            if not new_tokens:
+                raise ValueError(f"request {request} has an empty token list: each row of a batch needs >= 1 token")
+        needed = sum(self._pages_needed(request, len(new_tokens)) for request, new_tokens in zip(requests, tokens))
+        self._check_free(needed, f"a batch of {sum(len(t) for t in tokens)} tokens")
 
     def _host_metadata(self, requests: list[int], query_lens: list[int], prefix_lens: list[torch.Tensor],
                        pad_rows: int) -> HostMetadata:

@@ -90,6 +90,23 @@ def test_kv_write_matches_reference(dcp_size, interleave, cache_dtype, source_dt
             _assert_bitwise_equal(cache, expected)
 
 
+@pytest.mark.parametrize("dcp_size", [1, 2])
+def test_kv_write_never_writes_a_location_outside_the_pool(dcp_size):
+    """-1 used to wrap to the last row; a location past the pool must not land anywhere either.
+    The reference raises on every rank; the kernel writes nothing for those tokens."""
+    capacity, rows = 16, 16 // dcp_size
+    loc = torch.tensor([3, -1, capacity, capacity + 5, 2])
+    latent, rope = torch.randn(5, 8), torch.randn(5, 4)
+    for rank in range(dcp_size):
+        cache = torch.zeros(rows, 12)
+        triton_kernels.kv_write(cache, latent, rope, loc, rank, dcp_size, 1)
+        expected = torch.zeros(rows, 12)
+        reference.kv_write(expected, latent[[0, 4]], rope[[0, 4]], loc[[0, 4]], rank, dcp_size, 1)
+        assert torch.equal(cache, expected)
+        with pytest.raises(IndexError, match="location -1 is outside the pool"):
+            reference.kv_write(torch.zeros(rows, 12), latent, rope, loc, rank, dcp_size, 1)
+
+
 def test_kv_write_without_tokens_leaves_the_cache_alone():
     cache = torch.randn(8, 12)
     before = cache.clone()

@@ -73,3 +73,29 @@ def test_padded_rows_write_location_zero():
     batch = table.extend_batch([0], [[5, 6]], pad_rows=2)
     assert batch.out_loc.tolist()[-2:] == [0, 0]
     assert batch.seq_lens.tolist() == [2, 0, 0]
+
+
+def test_extend_batch_is_atomic_when_the_pool_runs_out():
+    table = RequestTable(3, 64, 32, page_size=4)
+    table.extend_batch([0], [[1] * 8])
+    before = (table.req_to_token.clone(), table.seq_lens.clone(), [list(p) for p in table.pages],
+              list(table.free_pages), table.local_seq_lens.clone())
+    with pytest.raises(MemoryError, match="overflows the KV pool"):
+        table.extend_batch([1, 2, 0], [[1] * 8, [1] * 8, [1] * 8])  # 6 pages asked, 5 free
+    after = (table.req_to_token, table.seq_lens, table.pages, table.free_pages, table.local_seq_lens)
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t: t.append(0, -2), "whole number of tokens >= 0"),
+    (lambda t: t.append(-1, 2), "request must be an int in \\[0, 2\\)"),
+    (lambda t: t.append(True, 2), "request must be an int"),
+    (lambda t: t.extend_batch([0, 1], [[1], []]), "empty token list"),
+    (lambda t: t.extend_batch([0, 0], [[1], [2]]), "appears twice"),
+    (lambda t: t.truncate(5, 0), "request must be an int"),
+])
+def test_request_table_rejects_bad_calls_and_changes_nothing(call, message):
+    table = RequestTable(2, 16, 64)
+    with pytest.raises(ValueError, match=message):
+        call(table)
+    assert int(table.seq_lens.sum()) == 0 and len(table.free_pages) == 63

@@ -25,14 +25,15 @@ def check_write_locations(loc: torch.Tensor, num_rows: int, dcp_size: int, inter
 
 
 def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, interleave: int = 1) -> None:
-    """Write [latent | rope] for each token whose location this rank owns; skip location 0."""
+    """Write [latent | rope] for each token whose location this rank owns; skip location 0.
+
+    Every rank checks every location, not only those it owns: a location outside the pool (-1
+    would otherwise wrap to the last row) fails the step on all ranks of the group at the same
+    point, so none goes on to a collective the others never reach."""
+    check_write_locations(loc, kv_cache.shape[0], dcp_size, interleave)
     keep = (loc != layout.PADDING_LOC) & (layout.owner(loc, dcp_size, interleave) == dcp_rank)
     rows = layout.local_row(loc[keep], dcp_size, interleave)
-    try:
-        kv_cache[rows] = torch.cat([latent[keep], rope[keep]], dim=-1).to(kv_cache.dtype)
-    except IndexError:  # name the user's location, not this rank's local row
-        check_write_locations(loc, kv_cache.shape[0], dcp_size, interleave)
-        raise
+    kv_cache[rows] = torch.cat([latent[keep], rope[keep]], dim=-1).to(kv_cache.dtype)
 
 
 def local_metadata(req_to_token, seq_lens, dcp_rank: int, dcp_size: int, interleave: int):

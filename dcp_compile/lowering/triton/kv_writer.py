@@ -2,7 +2,9 @@
 
 Matches `reference.kv_write`: location 0 (padding) and locations another rank owns are
 skipped; an owned location `loc` lands on local row (loc // (I*N)) * I + loc % I, the math of
-`runtime.layout` (repeated here because a kernel cannot call Python).
+`runtime.layout` (repeated here because a kernel cannot call Python). A location outside the
+pool is never written (the reference raises; raising from the device without a host sync is not
+built, so on the Triton path an out-of-range token is dropped, and debug_checks reports it).
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from dcp_compile.lowering.triton.launching import block_size, check_float, check
 from dcp_compile.runtime import layout
 
 
-@triton.jit(do_not_specialize=["tokens", "dcp_rank"])
+@triton.jit(do_not_specialize=["tokens", "dcp_rank", "rows"])
 def _kv_write_kernel(
     kv_cache_ptr, latent_ptr, rope_ptr, loc_ptr,
-    tokens, dcp_rank, dcp_size, interleave,
+    tokens, dcp_rank, dcp_size, interleave, rows,
     stride_cache_row, stride_cache_col,
     stride_latent_token, stride_latent_col,
     stride_rope_token, stride_rope_col,
@@ -32,9 +34,10 @@ def _kv_write_kernel(
     for token in range(tl.program_id(0), tokens, tl.num_programs(0)):
         token_index = tl.cast(token, tl.int64)
         loc = tl.load(loc_ptr + token_index * stride_loc).to(tl.int64)
-        owned = (loc != 0) & ((loc // interleave) % dcp_size == dcp_rank)
+        row = (loc // (interleave * dcp_size)) * interleave + loc % interleave
+        # A location outside the pool (negative, or past the last row) is never written.
+        owned = (loc > 0) & (row < rows) & ((loc // interleave) % dcp_size == dcp_rank)
         if owned:
-            row = (loc // (interleave * dcp_size)) * interleave + loc % interleave
             row_ptr = kv_cache_ptr + row * stride_cache_row
             # Through fp32 so every source/cache dtype pair converts with one rounding, as torch's
             # .to() does.
@@ -71,7 +74,7 @@ def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, 
         return
     _kv_write_kernel[grid_for(tokens)](
         kv_cache, latent, rope, loc,
-        tokens, dcp_rank, dcp_size, interleave,
+        tokens, dcp_rank, dcp_size, interleave, kv_cache.shape[0],
         kv_cache.stride(0), kv_cache.stride(1),
         latent.stride(0), latent.stride(1),
         rope.stride(0), rope.stride(1),
