@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.config import DCPConfig
+from dcp_compile.debug.dump import writable_folder
 from dcp_compile.lowering.npu.inner_compile import torchair_compiler
 from dcp_compile.passes import PassConfig, PassManager, PassReport
 from dcp_compile.passes.cache_use import check_cache_use
@@ -51,6 +52,8 @@ class DCPBackend:
         dump_dir = config.dump_dir or os.environ.get("DCP_COMPILE_DUMP") or None
         if dump_dir and config.dcp_size > 1:
             dump_dir = os.path.join(dump_dir, strategy)
+        if dump_dir:
+            writable_folder(dump_dir)  # at apply(), not at the first forward
         self.manager = PassManager(pass_config(config, parallel, strategy, page_size), config.disabled_passes, dump_dir)
         self.reports: list[PassReport] = []
 

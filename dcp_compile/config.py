@@ -42,9 +42,9 @@ class DCPConfig:
     """Folder for per-pass graph dumps; also set by the DCP_COMPILE_DUMP environment variable."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dcp_size, int) or self.dcp_size < 1:
+        if isinstance(self.dcp_size, bool) or not isinstance(self.dcp_size, int) or self.dcp_size < 1:
             raise ValueError(f"dcp_size must be an integer >= 1, got {self.dcp_size!r}")
-        if not isinstance(self.interleave, int) or self.interleave < 1:
+        if isinstance(self.interleave, bool) or not isinstance(self.interleave, int) or self.interleave < 1:
             raise ValueError(f"interleave must be an integer >= 1, got {self.interleave!r}")
         if self.inner_compile not in INNER_COMPILERS:
             raise ValueError(f"inner_compile must be one of {INNER_COMPILERS}, got {self.inner_compile!r}")
@@ -54,6 +54,8 @@ class DCPConfig:
             raise ValueError(f"torchair_mode must be 'reduce-overhead' or 'npugraph_ex', got {self.torchair_mode!r}")
         if self.kernels == "npu" and self.inner_compile == "inductor":
             raise ValueError("kernels='npu' runs with inner_compile='eager' (inductor does not lower the torch_npu ops)")
+        if not isinstance(self.debug_checks, bool):
+            raise ValueError(f"debug_checks must be True or False, got {self.debug_checks!r}")
         if self.attention_strategy not in ("auto", "gather-q", "gather-kv"):
             raise ValueError(f"attention_strategy must be 'auto', 'gather-q' or 'gather-kv', got {self.attention_strategy!r}")
         object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))

@@ -69,18 +69,6 @@ def _check_names(only: str | None, disabled: list[str]) -> None:
         raise ValueError(f"--only {only} names a pass that --disable switches off")
 
 
-def _prepare_out(path: str) -> Path:
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".dcp-compile-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"cannot write to output folder {out}: {exc.strerror or exc}") from None
-    return out
-
-
 def _command(args) -> str:
     """The dump command that reproduces this run, every option spelled out."""
     parts = ["dcp-compile", "dump"]
@@ -130,7 +118,7 @@ def run(args) -> int:
         from dcp_compile.debug.svg import require_dot
 
         require_dot()
-    out = _prepare_out(args.out)
+    out = text_dump.writable_folder(args.out, "output folder")
 
     captured = capture(spec)
     log.info("captured %s: %d nodes in %.1f s", spec.describe(), len(captured.gm.graph.nodes), captured.seconds)

@@ -127,6 +127,19 @@ def graph_folder(folder: Path, graph_index: int) -> Path:
     return folder / f"graph{graph_index:02d}"
 
 
+def writable_folder(path: str | Path, what: str = "dump folder") -> Path:
+    """`path`, created if missing; raises ValueError at once if it cannot be written."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".dcp-compile-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"cannot write to {what} {out}: {exc.strerror or exc}") from None
+    return out
+
+
 class TextDump:
     """Pass-manager observer that writes the dump folder described in this module's docstring.
 

@@ -42,6 +42,10 @@ class MLAKVPool(nn.Module):
     def __init__(self, num_layers: int, capacity: int, kv_lora_rank: int, rope_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", page_size: int = 1):
         super().__init__()
+        for name, value in (("num_layers", num_layers), ("capacity", capacity), ("kv_lora_rank", kv_lora_rank),
+                            ("rope_dim", rope_dim), ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
         if page_size < 1 or capacity % page_size:
             raise ValueError(f"page_size must be >= 1 and divide the capacity {capacity}, got {page_size}")
         self.page_size = page_size
@@ -50,6 +54,8 @@ class MLAKVPool(nn.Module):
             raise ValueError("an MLA KV pool needs at least one MLA layer")
         if capacity < 2:
             raise ValueError(f"capacity must be >= 2 (location 0 is reserved), got {capacity}")
+        if kv_lora_rank < 1 or rope_dim < 0:
+            raise ValueError(f"kv_lora_rank must be >= 1 and rope_dim >= 0, got {kv_lora_rank} and {rope_dim}")
         self.num_layers, self.row_dim = num_layers, kv_lora_rank + rope_dim
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
         if str(device).startswith("npu"):
@@ -70,9 +76,21 @@ class MLAKVPool(nn.Module):
     def cache(self, layer: int) -> torch.Tensor:
         return getattr(self, f"layer_{layer}")
 
+    def holds_kv(self) -> bool:
+        """Whether any row was written (a fresh pool is all zeros). One pass over the pool."""
+        if self.device.type == "meta":
+            return False
+        return any(bool(self.cache(i).any()) for i in range(self.num_layers))
+
     def reshard(self, dcp_size: int, dcp_rank: int, interleave: int = 1, keep: str = "memory") -> None:
-        """Reallocate as rank `dcp_rank`'s shard. Contents are dropped: call before any write."""
+        """Reallocate as rank `dcp_rank`'s shard. Contents would be dropped, so a pool that holds
+        KV is an error: reshard before any write."""
         layout.validate(dcp_size, dcp_rank, interleave)
+        if self.holds_kv():
+            raise RuntimeError(
+                "the KV pool already holds KV (rows were written): apply() reallocates it as this rank's shard, which "
+                "would drop every cached token. Call dcp_compile.apply before the first forward"
+            )
         if self.page_size % interleave:
             raise ValueError(
                 f"interleave size {interleave} must divide the page size {self.page_size}: use 1 "

@@ -1,14 +1,31 @@
-"""Start ranks: in-process spawn (CPU/gloo by default) or join a torchrun launch."""
+"""Start ranks: in-process spawn (CPU/gloo by default) or join a torchrun launch.
+
+Failure behaviour: a rank that raises fails the whole launch with its error; a rank that dies
+(a signal, an exit) is a `RankDiedError` naming the rank and the signal; a rank that stalls
+makes its peers' collectives fail after `timeout` seconds (the process group's timeout). In
+every case the other ranks are stopped, and no helper process is left behind.
+"""
 
 from __future__ import annotations
 
+import datetime
 import os
+import queue
+import signal
 import socket
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Seconds a collective waits for a stalled peer before failing (torch's default is 30 minutes)."""
+
+
+class RankDiedError(RuntimeError):
+    """A rank process ended without reporting a result: killed by a signal, or exited."""
 
 
 def free_port() -> int:
@@ -25,43 +42,82 @@ def check_backend(backend: str) -> None:
         require_torch_npu("the HCCL backend")
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, results):
+def check_timeout(timeout: float) -> datetime.timedelta:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return datetime.timedelta(seconds=timeout)
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     if backend == "hccl":
         torch.npu.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
-        results[rank] = ("ok", fn(rank, world_size, *args))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        results.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException as exc:  # reported to the parent, which raises
-        results[rank] = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        raise
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, backend: str = "gloo"):
+def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = DEFAULT_TIMEOUT_S):
     """Run fn(rank, world_size, *args) on `world_size` fresh processes; return their results.
 
-    fn must be a module-level function; its return value must be picklable.
+    fn must be a module-level function; its return value must be picklable. A collective that
+    waits on a stalled peer fails after `timeout` seconds.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     check_backend(backend)
-    manager = mp.get_context("spawn").Manager()
-    results = manager.dict()
+    check_timeout(timeout)
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    processes = [ctx.Process(target=_worker, args=(rank, world_size, port, backend, timeout, fn, args, results), daemon=False)
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
     try:
-        mp.spawn(_worker, args=(world_size, free_port(), backend, fn, args, results), nprocs=world_size, join=True)
-    except mp.ProcessRaisedException as exc:
-        errors = [v[1] for v in results.values() if v[0] == "error"]
-        raise RuntimeError(errors[0] if errors else str(exc)) from None
-    return [results[r][1] for r in range(world_size)]
+        return _collect(processes, results, world_size)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()  # SIGKILL: a stopped (SIGSTOP) rank ignores SIGTERM until continued
+        for process in processes:
+            process.join()
+        results.close()
 
 
-def init_from_env(backend: str | None = None) -> tuple[int, int]:
-    """Join a torchrun launch (RANK/WORLD_SIZE set); returns (rank, world_size)."""
+def _collect(processes, results, world_size: int) -> list:
+    """Results in rank order; the first error, or a rank's death, raises at once."""
+    collected: dict[int, object] = {}
+    while len(collected) < world_size:
+        while not results.empty():
+            rank, status, payload = results.get()
+            if status == "error":
+                raise RuntimeError(payload)
+            collected[rank] = payload
+        for rank, process in enumerate(processes):
+            if rank not in collected and not process.is_alive() and results.empty():
+                raise RankDiedError(_death(rank, process.exitcode))
+        time.sleep(0.01)
+    return [collected[rank] for rank in range(world_size)]
+
+
+def _death(rank: int, exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"rank {rank} was killed by {signal.Signals(-exitcode).name}"
+    return f"rank {rank} exited with code {exitcode} before reporting a result"
+
+
+def init_from_env(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
+    """Join a torchrun launch (RANK/WORLD_SIZE set); returns (rank, world_size). A collective
+    that waits on a stalled peer fails after `timeout` seconds."""
     if "RANK" not in os.environ:
         raise RuntimeError("init_from_env needs a torchrun launch (RANK and WORLD_SIZE unset)")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -70,5 +126,5 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
         if not torch.cuda.is_available() or not dist.is_nccl_available():
             raise RuntimeError("backend 'nccl' asked for, but no CUDA GPU or NCCL is available")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=check_timeout(timeout))
     return dist.get_rank(), dist.get_world_size()
