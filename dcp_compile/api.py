@@ -94,6 +94,7 @@ class DCPModel(nn.Module):
         self._compiled = {name: torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
                           for name, backend in state.backends.items()}
         self._agreed_shapes: set[tuple] = set()
+        self._failure: str | None = None
         model._dcp_step_running = False
         model.register_forward_pre_hook(_refuse_direct_calls)
 
@@ -108,6 +109,22 @@ class DCPModel(nn.Module):
         """Run one step. host_metadata: the batch's host-side local metadata (`ForwardBatch.host`),
         needed by kernels that take host values (kernels='npu'); without it, it is computed from
         the batch tensors where they are on the CPU."""
+        if self._failure is not None:
+            raise RuntimeError(
+                f"an earlier step failed on this rank ({self._failure}); its TP/DCP peers may still be inside that "
+                "step's collectives, so this model runs no more steps: restart the ranks"
+            )
+        try:
+            return self._step(args, kwargs, host_metadata)
+        except BaseException as exc:
+            # With collectives, a rank that goes on after a failed step would pair its next
+            # collectives with its peers' pending ones of the failed step: finite, wrong results.
+            # It stops instead; peers blocked in a collective fail at the process group's timeout.
+            if self.dcp_state.parallel.tp_size > 1 or self.dcp_state.config.dcp_size > 1:
+                self._failure = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            raise
+
+    def _step(self, args, kwargs, host_metadata):
         state = self.dcp_state
         if state.needs_host_metadata:
             host_metadata = self._host_metadata(args, kwargs, host_metadata)

@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dcp_compile import api, cost_model
-from dcp_compile.models.config import preset
+from dcp_compile.models.config import allowed_tp_sizes, preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import layout, parallel
 from dcp_compile.runtime.batch import RequestTable, check_draft_len
-from dcp_compile.runtime.launch import spawn
+from dcp_compile.runtime.launch import DEFAULT_TIMEOUT_S, check_timeout, spawn
 
 MODES = ("decode", "verify", "extend")
 TOLERANCE = 1e-5
@@ -76,10 +76,28 @@ class Scenario:
     device: str = "cpu"
     """'cpu' (gloo ranks), 'cuda' (one GPU per rank, NCCL) or 'npu' (one Ascend NPU per rank, HCCL)."""
     dtype: str = "float32"
+    timeout: float = DEFAULT_TIMEOUT_S
+    """Seconds a collective waits for a stalled rank before the run fails."""
 
     def __post_init__(self):
+        """Everything checkable is checked here, in the parent, before any rank starts."""
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {list(MODES)}")
+        check_timeout(self.timeout)
+        for name in ("dcp_size", "tp_size", "batch", "steps", "interleave", "pad_rows", "draft_len", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        if self.interleave < 1:
+            raise ValueError(f"interleave must be >= 1, got {self.interleave}")
+        for name in ("layers", "page_size", "num_heads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        cfg = self.model_config()  # an unknown model raises here
+        if self.tp_size not in allowed_tp_sizes(cfg):
+            raise ValueError(f"tp_size {self.tp_size} does not split model {self.model} ({cfg.num_heads} heads); "
+                             f"allowed: {allowed_tp_sizes(cfg)}")
         if self.device not in ("cpu", "cuda", "npu"):
             raise ValueError(f"unknown device {self.device!r}; choose cpu, cuda or npu")
         if self.device == "npu":
@@ -95,6 +113,9 @@ class Scenario:
         if self.chunk is not None and self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
         cost_model.check_strategy(self.attention_strategy)
+        if self.pages % self.interleave:
+            raise ValueError(f"interleave {self.interleave} must divide the page size {self.pages}")
+        self._check_capacity()
         if self.shared_prefix:
             lengths = self.lengths
             if self.batch < 2 or min(lengths[:2]) < self.shared_prefix or self.shared_prefix % self.pages:
@@ -106,6 +127,16 @@ class Scenario:
             if self.interleave not in (1, self.block_size):
                 raise ValueError(f"kernels='npu' reads pages as FIA blocks: interleave must be 1 or the block size "
                                  f"{self.block_size}, got {self.interleave}")
+
+    def _check_capacity(self) -> None:
+        """The dcp_size=1 baseline's pool (the smaller) must hold every request's whole context."""
+        pages = self.pages_for(1)
+        longest = max(self.lengths) + self.steps * max(self.draft_len, 1) + 1
+        needed = self.batch * -(-longest // pages) * pages
+        usable = self.kv_rows - pages
+        if needed > usable:
+            raise ValueError(f"the contexts need up to {needed} KV locations ({self.batch} requests of up to {longest} "
+                             f"tokens); the pool holds {usable} (kv_rows {self.kv_rows})")
 
     @property
     def pages(self) -> int:
@@ -278,7 +309,8 @@ def argmax_flips(base_logits: list[torch.Tensor], dcp_logits: list[torch.Tensor]
 def compare(scenario: Scenario) -> dict:
     """Spawn tp_size ranks (gloo on CPU, NCCL on CUDA, HCCL on NPUs), run the comparison, and
     summarise all ranks."""
-    ranks = spawn(run_on_rank, scenario.tp_size, scenario, backend={"cuda": "nccl", "npu": "hccl"}.get(scenario.device, "gloo"))
+    ranks = spawn(run_on_rank, scenario.tp_size, scenario, backend={"cuda": "nccl", "npu": "hccl"}.get(scenario.device, "gloo"),
+                  timeout=scenario.timeout)
     return summarize(scenario, ranks)
 
 

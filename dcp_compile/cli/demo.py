@@ -9,6 +9,7 @@ from rich.table import Table
 
 from dcp_compile.config import KERNEL_BACKENDS
 from dcp_compile.cost_model import STRATEGIES
+from dcp_compile.runtime.launch import DEFAULT_TIMEOUT_S
 from dcp_compile.scenario import MODES, Scenario, compare
 
 
@@ -52,6 +53,8 @@ def register(sub) -> None:
                         "that short contexts cross blocks; engines use 128)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"),
                    help="ranks on CPU (gloo, default), one CUDA GPU each (NCCL) or one Ascend NPU each (HCCL, needs torch_npu)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds a collective waits for a stalled rank before the run fails (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--json", action="store_true", help="end with one JSON summary line")
     p.set_defaults(handler=run)
 
@@ -62,7 +65,7 @@ def run(args) -> int:
         page_size=args.page_size, shared_prefix=args.shared_prefix, dcp_size=args.dcp_size, tp_size=args.tp_size or args.dcp_size, batch=args.batch,
         contexts=_lengths(args.context), steps=args.steps, seed=args.seed, layers=args.layers,
         interleave=args.interleave, pad_rows=args.pad_rows, kernels=args.kernels, block_size=args.block_size,
-        device=args.device,
+        device=args.device, timeout=args.timeout,
         model=args.model or ("tiny-512" if args.kernels == "npu" else "tiny"),
         dtype=args.dtype or ("bfloat16" if args.kernels == "npu" else "float32"),
     )

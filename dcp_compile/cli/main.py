@@ -1,11 +1,22 @@
-"""`dcp-compile` entry point. Each subcommand module has `register(subparsers)` and `run(args)`."""
+"""`dcp-compile` entry point. Each subcommand module has `register(subparsers)` and `run(args)`.
+
+Exit codes: 0 success; 1 the DCP run does not match dcp_size=1 (demo); 2 bad input or an error
+(one line on stderr); 3 a rank died (killed, or exited without a result); 4 a collective timed
+out waiting for a stalled rank; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM). Ranks are
+stopped in every case.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import logging
+import signal
 import sys
+
+from dcp_compile.runtime.launch import CollectiveTimeoutError, RankDiedError
+
+EXIT_MISMATCH, EXIT_ERROR, EXIT_RANK_DIED, EXIT_TIMEOUT = 1, 2, 3, 4
 
 SUBCOMMANDS = ("demo", "dump")
 
@@ -24,11 +35,27 @@ def main(argv=None) -> int:
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("dcp_compile").setLevel(level)
+    # SIGTERM unwinds like Ctrl-C, so the launcher's cleanup stops the ranks.
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.handler(args) or 0
-    except (ValueError, TypeError, RuntimeError) as exc:
+    except RankDiedError as exc:
         print(f"dcp-compile {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_RANK_DIED
+    except CollectiveTimeoutError as exc:
+        print(f"dcp-compile {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except (ValueError, TypeError, RuntimeError, MemoryError) as exc:
+        print(f"dcp-compile {args.command}: error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame):
+    raise SystemExit(143)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from torch.fx.node import map_arg
 
 from dcp_compile import cost_model
 from dcp_compile.config import KERNEL_BACKENDS
-from dcp_compile.models.config import MLAModelConfig, preset
+from dcp_compile.models.config import MLAModelConfig, allowed_tp_sizes, preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes.base import PassConfig
 from dcp_compile.runtime import parallel
@@ -34,14 +34,6 @@ MODES = ("decode", "verify", "extend")
 ATTENTION_STRATEGIES = ("auto",) + cost_model.STRATEGIES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAKE_TP_GROUP, FAKE_DCP_GROUP = "fake-tp-group", "fake-dcp-group"
-
-
-def allowed_tp_sizes(cfg: MLAModelConfig) -> list[int]:
-    """TP sizes that split every head-parallel dimension of the model evenly."""
-    widths = [cfg.num_heads, cfg.intermediate_size]
-    if "linear" in cfg.layer_types:
-        widths.append(cfg.hidden_size // cfg.linear_head_dim)
-    return [t for t in range(1, cfg.num_heads + 1) if all(w % t == 0 for w in widths)]
 
 
 @dataclass(frozen=True)

@@ -90,3 +90,11 @@ def preset(name: str) -> MLAModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]
+
+
+def allowed_tp_sizes(cfg: MLAModelConfig) -> list[int]:
+    """TP sizes that split every head-parallel dimension of the model evenly."""
+    widths = [cfg.num_heads, cfg.intermediate_size]
+    if "linear" in cfg.layer_types:
+        widths.append(cfg.hidden_size // cfg.linear_head_dim)
+    return [t for t in range(1, cfg.num_heads + 1) if all(w % t == 0 for w in widths)]

@@ -28,6 +28,10 @@ class RankDiedError(RuntimeError):
     """A rank process ended without reporting a result: killed by a signal, or exited."""
 
 
+class CollectiveTimeoutError(RuntimeError):
+    """A rank's collective waited `timeout` seconds for a peer that never joined (a stalled rank)."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,7 +63,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         results.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException as exc:  # reported to the parent, which raises
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        if "timed out" in str(exc).lower():
+            results.put((rank, "timeout", f"{_collective_call(exc)}: {str(exc).splitlines()[0]}"))
+        else:
+            results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -93,20 +100,51 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = DE
         results.close()
 
 
+def _collective_call(exc: BaseException) -> str:
+    """The code that called into torch.distributed when `exc` was raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for caller, callee in zip(reversed(frames[:-1]), reversed(frames[1:])):
+        if "torch/distributed" in callee.filename.replace("\\", "/") and "torch/distributed" not in caller.filename.replace("\\", "/"):
+            return f"{caller.line} ({caller.filename}:{caller.lineno})"
+    return "a collective"
+
+
 def _collect(processes, results, world_size: int) -> list:
     """Results in rank order; the first error, or a rank's death, raises at once."""
     collected: dict[int, object] = {}
     while len(collected) < world_size:
         while not results.empty():
             rank, status, payload = results.get()
+            if status != "ok":
+                _raise_for_death(processes, collected, rank, payload)
             if status == "error":
                 raise RuntimeError(payload)
+            if status == "timeout":
+                silent = [r for r, p in enumerate(processes) if r not in collected and r != rank and p.is_alive()]
+                raise CollectiveTimeoutError(
+                    f"rank {rank} timed out in {payload}; ranks that never reached it: {silent or 'none left'} "
+                    "(stalled or hung?)"
+                )
             collected[rank] = payload
         for rank, process in enumerate(processes):
             if rank not in collected and not process.is_alive() and results.empty():
                 raise RankDiedError(_death(rank, process.exitcode))
         time.sleep(0.01)
     return [collected[rank] for rank in range(world_size)]
+
+
+def _raise_for_death(processes, collected, failed_rank: int, payload: str, grace_s: float = 2.0) -> None:
+    """A peer's death makes the others' collectives fail (connection reset): when a rank fails,
+    report a rank that died, if one did, as the cause."""
+    deadline = time.time() + grace_s
+    while time.time() < deadline:
+        for rank, process in enumerate(processes):
+            if rank != failed_rank and rank not in collected and process.exitcode is not None and process.exitcode < 0:
+                raise RankDiedError(f"{_death(rank, process.exitcode)}; rank {failed_rank} then failed: "
+                                    f"{payload.splitlines()[0][:200]}")
+        if all(p.is_alive() for r, p in enumerate(processes) if r != failed_rank and r not in collected):
+            return  # every peer still runs: no death to blame
+        time.sleep(0.05)
 
 
 def _death(rank: int, exitcode: int | None) -> str:

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_GROUPS_WORLD: list = [None]
+"""The default process group the cached groups belong to: after destroy_process_group and a new
+init_process_group, they are dead and are made anew."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,10 @@ class ParallelState:
 
 def _group(ranks: list[int]) -> dist.ProcessGroup:
     """new_group is collective over the world, so every rank creates every block in one order."""
+    world = dist.distributed_c10d._get_default_group()
+    if _GROUPS_WORLD[0] is not world:
+        _GROUPS.clear()
+        _GROUPS_WORLD[0] = world
     key = tuple(ranks)
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(ranks)
