@@ -11,8 +11,9 @@ mla_partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_posi
 pack_partials(out [T, N*H, R], lse [T, N*H], N) -> [N, T, H, R + w]   (one all-to-all buffer)
 merge_partials(packed [N, T, H, R + w], R) -> [T, H, R]               (LSE merge over shards)
 check_locations(loc, num_rows, N, I) -> loc copy; raises on a location outside the pool.
-check_metadata(req_to_token, seq_lens, q_seq_ids, q_positions) -> q_positions copy; raises on
-    positions inconsistent with the sequence lengths.
+check_metadata(req_to_token, seq_lens, q_seq_ids, q_positions, out_loc) -> q_positions copy; raises
+    on positions inconsistent with the sequence lengths, negative page-table entries, or a row
+    of seq_len 0 whose tokens write KV.
 gather_local_rows(kv_cache, local_req_to_token, local_seq_lens) -> [B, L, D]   (extend, gather-kv)
 gathered_kv_metadata(req_to_token, seq_lens, N, I) -> (page_table [B, N*L], seq_lens, key_positions)
     A page table over the all-gathered rows of every rank, for the gather-kv strategy.
@@ -149,13 +150,14 @@ def _(req_to_token, seq_lens, dcp_size, interleave):
 
 
 @custom_op("dcp::check_metadata", mutates_args=())
-def check_metadata(req_to_token: torch.Tensor, seq_lens: torch.Tensor, q_seq_ids: torch.Tensor, q_positions: torch.Tensor) -> torch.Tensor:
-    reference.check_attention_metadata(req_to_token, seq_lens, q_seq_ids, q_positions)
+def check_metadata(req_to_token: torch.Tensor, seq_lens: torch.Tensor, q_seq_ids: torch.Tensor, q_positions: torch.Tensor,
+                   out_loc: torch.Tensor | None = None) -> torch.Tensor:
+    reference.check_attention_metadata(req_to_token, seq_lens, q_seq_ids, q_positions, out_loc)
     return q_positions.clone()
 
 
 @check_metadata.register_fake
-def _(req_to_token, seq_lens, q_seq_ids, q_positions):
+def _(req_to_token, seq_lens, q_seq_ids, q_positions, out_loc=None):
     return q_positions.new_empty(q_positions.shape)
 
 

@@ -178,17 +178,29 @@ def gathered_kv_metadata(req_to_token, seq_lens, dcp_size: int, interleave: int)
     return page_table.to(req_to_token.dtype), kept.sum(dim=1).to(seq_lens.dtype), key_positions.to(req_to_token.dtype)
 
 
-def check_attention_metadata(req_to_token, seq_lens, q_seq_ids, q_positions) -> None:
-    """Raise if the query metadata contradicts the sequence lengths."""
+def check_attention_metadata(req_to_token, seq_lens, q_seq_ids, q_positions, out_loc=None) -> None:
+    """Raise if the query metadata contradicts the sequence lengths or the page table."""
     batch, width = req_to_token.shape
     if seq_lens.shape != (batch,):
         raise ValueError(f"seq_lens has shape {tuple(seq_lens.shape)}, expected ({batch},) to match req_to_token")
     if bool((seq_lens < 0).any()) or bool((seq_lens > width).any()):
         raise ValueError(f"seq_lens must lie in [0, {width}] (the page table's width), got {seq_lens.tolist()}")
+    in_use = torch.arange(width, device=req_to_token.device)[None, :] < seq_lens[:, None]
+    if bool((in_use & (req_to_token < 0)).any()):
+        row, position = (in_use & (req_to_token < 0)).nonzero()[0].tolist()
+        raise ValueError(f"page-table entry [{row}, {position}] is {int(req_to_token[row, position])}: locations are >= 0")
     if q_seq_ids.numel() == 0:
         return
     if bool((q_seq_ids < 0).any()) or bool((q_seq_ids >= batch).any()):
         raise ValueError(f"q_seq_ids must lie in [0, {batch}), got {q_seq_ids.tolist()}")
+    if out_loc is not None:
+        writes_kv = (seq_lens[q_seq_ids] == 0) & (out_loc != layout.PADDING_LOC)
+        if bool(writes_kv.any()):
+            t = int(writes_kv.nonzero()[0])
+            raise ValueError(
+                f"row {int(q_seq_ids[t])} has seq_len 0 (a padded row) but its token {t} writes KV at location "
+                f"{int(out_loc[t])}: a real row's seq_len counts its tokens, this step's included"
+            )
     lens = seq_lens[q_seq_ids]
     bad = (lens > 0) & ((q_positions < 0) | (q_positions >= lens))
     if bool(bad.any()):

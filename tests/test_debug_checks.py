@@ -1,0 +1,38 @@
+"""Batch metadata that used to be taken silently, rejected with debug_checks=True."""
+
+from __future__ import annotations
+
+import pytest
+
+import dcp_compile
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.runtime.batch import RequestTable
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dcp_compile.apply(MLAModel(preset("tiny"), kv_capacity=128, max_requests=2), 1, debug_checks=True)
+
+
+def _batch():
+    table = RequestTable(2, 16, 128)
+    return table.extend_batch([0, 1], [[3, 4, 5], [6]], pad_rows=1)
+
+
+def test_a_real_row_with_seq_len_zero_is_rejected(model):
+    batch = _batch()
+    batch.seq_lens[1] = 0  # its token still writes a real location
+    with pytest.raises(ValueError, match="row 1 has seq_len 0 .* writes KV at location"):
+        model(*batch.args())
+
+
+def test_a_negative_page_table_entry_is_rejected(model):
+    batch = _batch()
+    batch.req_to_token[0, 1] = -3
+    with pytest.raises(ValueError, match=r"page-table entry \[0, 1\] is -3"):
+        model(*batch.args())
+
+
+def test_a_valid_batch_still_runs(model):
+    assert model(*_batch().args()).isfinite().all()
