@@ -12,6 +12,7 @@ exercised with every length from 0 to k-1 accepted drafts.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -312,6 +313,26 @@ def compare(scenario: Scenario) -> dict:
     ranks = spawn(run_on_rank, scenario.tp_size, scenario, backend={"cuda": "nccl", "npu": "hccl"}.get(scenario.device, "gloo"),
                   timeout=scenario.timeout)
     return summarize(scenario, ranks)
+
+
+def compare_torchrun(scenario: Scenario) -> tuple[dict, int]:
+    """The comparison on ranks a torchrun launch started (one node or several); every TP group
+    of the world runs it. Returns (the summary of every rank, this rank)."""
+    import torch.distributed as dist
+
+    from dcp_compile.runtime.launch import init_from_env
+
+    backend = {"cuda": "nccl", "npu": "hccl"}.get(scenario.device, "gloo")
+    rank, world = init_from_env(backend, timeout=scenario.timeout)
+    try:
+        if world % scenario.tp_size:
+            raise ValueError(f"the launch has {world} ranks, which tp_size {scenario.tp_size} does not divide")
+        result = run_on_rank(int(os.environ.get("LOCAL_RANK", rank)) if scenario.device != "cpu" else rank, world, scenario)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+    finally:
+        dist.destroy_process_group()
+    return summarize(scenario, gathered), rank
 
 
 def summarize(scenario: Scenario, ranks: list[dict]) -> dict:

@@ -10,7 +10,7 @@ from rich.table import Table
 from dcp_compile.config import KERNEL_BACKENDS
 from dcp_compile.cost_model import STRATEGIES
 from dcp_compile.runtime.launch import DEFAULT_TIMEOUT_S
-from dcp_compile.scenario import MODES, Scenario, compare
+from dcp_compile.scenario import MODES, Scenario, compare, compare_torchrun
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -55,6 +55,9 @@ def register(sub) -> None:
                    help="ranks on CPU (gloo, default), one CUDA GPU each (NCCL) or one Ascend NPU each (HCCL, needs torch_npu)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds a collective waits for a stalled rank before the run fails (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--launch", default="spawn", choices=("spawn", "torchrun"),
+                   help="spawn the ranks here (default), or join the ranks of a torchrun launch, on one node or "
+                        "several (every TP group of the world runs the check; rank 0 prints)")
     p.add_argument("--json", action="store_true", help="end with one JSON summary line")
     p.set_defaults(handler=run)
 
@@ -69,7 +72,12 @@ def run(args) -> int:
         model=args.model or ("tiny-512" if args.kernels == "npu" else "tiny"),
         dtype=args.dtype or ("bfloat16" if args.kernels == "npu" else "float32"),
     )
-    result = compare(scenario)
+    if args.launch == "torchrun":
+        result, rank = compare_torchrun(scenario)
+        if rank != 0:
+            return _exit_code(result)
+    else:
+        result = compare(scenario)
     console = Console(stderr=args.json)
     table = Table(title=f"dcp-compile demo: {scenario.model}, {scenario.mode}, DCP {scenario.dcp_size} x TP "
                         f"{scenario.tp_size}, I={scenario.interleave}, kernels {scenario.kernels}, {scenario.dtype}")
@@ -96,4 +104,8 @@ def run(args) -> int:
     console.print(table)
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "tokens"}))
+    return _exit_code(result)
+
+
+def _exit_code(result: dict) -> int:
     return 0 if result["tokens_match"] and result["outputs_match"] and result["finite"] else 1
