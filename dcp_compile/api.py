@@ -99,10 +99,19 @@ class DCPModel(nn.Module):
         model.register_forward_pre_hook(_refuse_direct_calls)
 
     def compiled(self, strategy: str = "gather-q"):
-        """The compiled step of one strategy, for callers that fix it (CUDA-graph capture)."""
+        """The compiled step of one strategy, for callers that fix it (graph capture)."""
         if strategy not in self._compiled:
             raise ValueError(f"no {strategy!r} variant; this model has {sorted(self._compiled)}")
-        return self._compiled[strategy]
+        compiled, model = self._compiled[strategy], self.model
+
+        def step(*args, **kwargs):
+            model._dcp_step_running = True
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                model._dcp_step_running = False
+
+        return step
 
     @torch.compiler.disable(reason="dcp_compile runs its own compile of the model; an outer compile cannot inline it")
     def forward(self, *args, host_metadata: HostMetadata | None = None, **kwargs):
