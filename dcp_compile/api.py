@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,12 @@ def _raise_recompile_limit() -> None:
             setattr(config, name, limit)
 
 
+def _location_error_flag(device: torch.device):
+    """The Triton KV writer's flag for `device`, if that writer has run there."""
+    kv_writer = sys.modules.get("dcp_compile.lowering.triton.kv_writer")
+    return kv_writer._LOCATION_ERROR_FLAGS.get(torch.device(device)) if kv_writer is not None else None
+
+
 def _refuse_direct_calls(module: nn.Module, args) -> None:
     """Forward pre-hook on a module passed to apply(): only the DCPModel may run it."""
     if not getattr(module, "_dcp_step_running", False):
@@ -95,6 +102,7 @@ class DCPModel(nn.Module):
                           for name, backend in state.backends.items()}
         self._agreed_shapes: set[tuple] = set()
         self._failure: str | None = None
+        self._location_check = None
         model._dcp_step_running = False
         model.register_forward_pre_hook(_refuse_direct_calls)
 
@@ -124,7 +132,10 @@ class DCPModel(nn.Module):
                 "step's collectives, so this model runs no more steps: restart the ranks"
             )
         try:
-            return self._step(args, kwargs, host_metadata)
+            self._raise_on_dropped_locations(wait=False)
+            out = self._step(args, kwargs, host_metadata)
+            self._watch_locations()
+            return out
         except BaseException as exc:
             # With collectives, a rank that goes on after a failed step would pair its next
             # collectives with its peers' pending ones of the failed step: finite, wrong results.
@@ -132,6 +143,42 @@ class DCPModel(nn.Module):
             if self.dcp_state.parallel.tp_size > 1 or self.dcp_state.config.dcp_size > 1:
                 self._failure = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             raise
+
+    def _watch_locations(self) -> None:
+        """Start reading back the Triton KV writer's location-error flag without waiting for it:
+        a step's dropped out-of-pool location is reported at the next step (at once on CPU)."""
+        flag = _location_error_flag(self.dcp_state.kv_pool.device)
+        if flag is None:
+            return
+        if flag.device.type == "cpu":
+            self._location_check = (flag.clone(), None)
+            self._raise_on_dropped_locations(wait=True)
+            return
+        backend = getattr(torch, flag.device.type)
+        host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        event = backend.Event()
+        event.record()
+        self._location_check = (host, event)
+
+    def _raise_on_dropped_locations(self, wait: bool) -> None:
+        if self._location_check is None:
+            return
+        host, event = self._location_check
+        if event is not None and not wait and not event.query():
+            return  # not read back yet: checked at a later step
+        if event is not None:
+            event.synchronize()
+        self._location_check = None
+        if int(host[0]):
+            _location_error_flag(self.dcp_state.kv_pool.device).zero_()
+            raise IndexError("a KV write location outside the pool was given in this or the previous step: the KV "
+                             "writer dropped it (it never writes outside the pool); run with debug_checks=True to "
+                             "see which")
+
+    def check_kv_writes(self) -> None:
+        """Wait for the last step's location-error flag and raise if it was set."""
+        self._raise_on_dropped_locations(wait=True)
 
     def _step(self, args, kwargs, host_metadata):
         state = self.dcp_state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import dcp_compile
 from dcp_compile.models.config import preset
@@ -36,3 +37,16 @@ def test_a_negative_page_table_entry_is_rejected(model):
 
 def test_a_valid_batch_still_runs(model):
     assert model(*_batch().args()).isfinite().all()
+
+
+def test_the_triton_writer_drops_an_out_of_pool_location_and_the_step_fails():
+    """Default mode (no debug checks), Triton kernels (interpreted on CPU): location -1 used to
+    overwrite the last row; now nothing is written and the step raises."""
+    model = dcp_compile.apply(MLAModel(preset("tiny"), kv_capacity=128, max_requests=2), 1, kernels="triton")
+    batch = _batch()
+    batch.out_loc[0] = -1
+    caches = [model.dcp_state.kv_pool.cache(i).clone() for i in range(3)]
+    with pytest.raises(IndexError, match="outside the pool"):
+        model(*batch.args())
+    assert all(torch.equal(model.dcp_state.kv_pool.cache(i)[-1], caches[i][-1]) for i in range(3))
+    assert model(*_batch().args()).isfinite().all()  # the flag was cleared; dcp_size 1 runs on

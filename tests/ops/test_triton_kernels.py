@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from dcp_compile.lowering import triton as triton_kernels  # noqa: E402
 from dcp_compile.lowering.torch import reference  # noqa: E402
-from dcp_compile.lowering.triton import attention, merge, metadata_builder, pack  # noqa: E402
+from dcp_compile.lowering.triton import attention, kv_writer, merge, metadata_builder, pack  # noqa: E402
 from dcp_compile.lowering.triton.attention_tiling import AttentionTiling, choose_num_splits  # noqa: E402
 from dcp_compile.lowering.triton.launching import MAX_PROGRAMS, is_interpreted  # noqa: E402
 from dcp_compile.runtime import layout  # noqa: E402
@@ -97,9 +97,15 @@ def test_kv_write_never_writes_a_location_outside_the_pool(dcp_size):
     capacity, rows = 16, 16 // dcp_size
     loc = torch.tensor([3, -1, capacity, capacity + 5, 2])
     latent, rope = torch.randn(5, 8), torch.randn(5, 4)
+    flag = kv_writer.location_error_flag(torch.device("cpu"))
     for rank in range(dcp_size):
         cache = torch.zeros(rows, 12)
+        flag.zero_()
         triton_kernels.kv_write(cache, latent, rope, loc, rank, dcp_size, 1)
+        assert int(flag) == 1  # the device-side error flag is raised
+        flag.zero_()
+        triton_kernels.kv_write(cache.clone(), latent[[0, 4]], rope[[0, 4]], loc[[0, 4]], rank, dcp_size, 1)
+        assert int(flag) == 0
         expected = torch.zeros(rows, 12)
         reference.kv_write(expected, latent[[0, 4]], rope[[0, 4]], loc[[0, 4]], rank, dcp_size, 1)
         assert torch.equal(cache, expected)

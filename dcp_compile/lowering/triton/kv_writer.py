@@ -3,12 +3,14 @@
 Matches `reference.kv_write`: location 0 (padding) and locations another rank owns are
 skipped; an owned location `loc` lands on local row (loc // (I*N)) * I + loc % I, the math of
 `runtime.layout` (repeated here because a kernel cannot call Python). A location outside the
-pool is never written (the reference raises; raising from the device without a host sync is not
-built, so on the Triton path an out-of-range token is dropped, and debug_checks reports it).
+pool is never written: the kernel drops the token and sets this device's location-error flag
+(`location_error_flag`), which the compiled model reads back without stalling the step and
+reports as an error (api.DCPModel); the torch reference raises at once.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -16,10 +18,22 @@ from dcp_compile.lowering.triton.launching import block_size, check_float, check
 from dcp_compile.runtime import layout
 
 
-@triton.jit(do_not_specialize=["tokens", "dcp_rank", "rows"])
+_LOCATION_ERROR_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+def location_error_flag(device: torch.device) -> torch.Tensor:
+    """This device's flag, int32 [1]: set to 1 by any write of a location outside its pool.
+    Allocated once and never moved, so captured graphs keep writing the same buffer."""
+    device = torch.device(device)
+    if device not in _LOCATION_ERROR_FLAGS:
+        _LOCATION_ERROR_FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _LOCATION_ERROR_FLAGS[device]
+
+
+@triton.jit(do_not_specialize=["tokens", "dcp_rank", "capacity"])
 def _kv_write_kernel(
-    kv_cache_ptr, latent_ptr, rope_ptr, loc_ptr,
-    tokens, dcp_rank, dcp_size, interleave, rows,
+    kv_cache_ptr, latent_ptr, rope_ptr, loc_ptr, error_ptr,
+    tokens, dcp_rank, dcp_size, interleave, capacity,
     stride_cache_row, stride_cache_col,
     stride_latent_token, stride_latent_col,
     stride_rope_token, stride_rope_col,
@@ -34,10 +48,13 @@ def _kv_write_kernel(
     for token in range(tl.program_id(0), tokens, tl.num_programs(0)):
         token_index = tl.cast(token, tl.int64)
         loc = tl.load(loc_ptr + token_index * stride_loc).to(tl.int64)
-        row = (loc // (interleave * dcp_size)) * interleave + loc % interleave
-        # A location outside the pool (negative, or past the last row) is never written.
-        owned = (loc > 0) & (row < rows) & ((loc // interleave) % dcp_size == dcp_rank)
+        # A location outside the pool (negative, or past its logical capacity) is never written.
+        outside = (loc < 0) | (loc >= capacity)
+        if outside:
+            tl.store(error_ptr, 1)
+        owned = (loc > 0) & (loc < capacity) & ((loc // interleave) % dcp_size == dcp_rank)
         if owned:
+            row = (loc // (interleave * dcp_size)) * interleave + loc % interleave
             row_ptr = kv_cache_ptr + row * stride_cache_row
             # Through fp32 so every source/cache dtype pair converts with one rounding, as torch's
             # .to() does.
@@ -73,8 +90,8 @@ def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, 
     if tokens == 0:
         return
     _kv_write_kernel[grid_for(tokens)](
-        kv_cache, latent, rope, loc,
-        tokens, dcp_rank, dcp_size, interleave, kv_cache.shape[0],
+        kv_cache, latent, rope, loc, location_error_flag(kv_cache.device),
+        tokens, dcp_rank, dcp_size, interleave, layout.logical_capacity(kv_cache.shape[0], dcp_size, interleave),
         kv_cache.stride(0), kv_cache.stride(1),
         latent.stride(0), latent.stride(1),
         rope.stride(0), rope.stride(1),
