@@ -140,3 +140,41 @@ def test_inductor_inner_compile_matches_eager():
 
     for got, expected in zip(run("inductor"), run("eager")):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_resharding_a_pool_that_holds_kv_is_an_error():
+    """apply() on a model whose pool already holds KV used to wipe it silently."""
+    model = _model()
+    table = RequestTable(2, 16, 64)
+    model(*table.extend_batch([0], [[3, 4, 5]]).args())  # eager: writes KV
+    with pytest.raises(RuntimeError, match="already holds KV"):
+        dcp_compile.apply(model, 1)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(dcp_size=True), "dcp_size must be an integer"),
+    (dict(interleave=True), "interleave must be an integer"),
+])
+def test_bools_are_not_sizes(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DCPConfig(**fields)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((1, -8, 16, 8), "capacity must be >= 2"),
+    ((1, 64, -16, 8), "kv_lora_rank must be >= 1"),
+    ((1, 64, 16, 8.5), "rope_dim must be an int"),
+])
+def test_pool_sizes_are_checked(args, message):
+    from dcp_compile.runtime.kv_pool import MLAKVPool
+
+    with pytest.raises(ValueError, match=message):
+        MLAKVPool(*args)
+
+
+def test_an_unwritable_dump_folder_fails_at_apply(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DCP_COMPILE_DUMP", str(blocker / "dump"))
+    with pytest.raises(ValueError, match="cannot write to dump folder"):
+        dcp_compile.apply(_model(), 1)

@@ -1,0 +1,64 @@
+"""The demo checks its inputs in the parent, before any rank starts, with one line and exit 2;
+and a CLI killed with SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from dcp_compile.cli.main import main
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layers", "0"], "layers must be >= 1"),
+    (["--page-size", "0"], "page_size must be >= 1"),
+    (["--interleave", "0"], "interleave must be >= 1"),
+    (["--model", "nosuch"], "unknown model 'nosuch'"),
+    (["--tp-size", "3"], "tp_size 3 does not split model tiny"),
+    (["--interleave", "3", "--page-size", "4"], "interleave 3 must divide the page size 4"),
+    (["--context", "5000"], "the pool holds 4095"),
+    (["--timeout", "0"], "timeout must be a positive number"),
+])
+def test_bad_demo_input_is_one_line_and_exit_2_before_any_rank(args, message, capsys, monkeypatch):
+    from dcp_compile import scenario
+
+    monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    assert main(["demo", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def _marked_processes(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if marker.encode() in environ.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
+def test_a_terminated_cli_leaves_no_process_behind():
+    marker = f"DCP_TEST_MARKER={uuid.uuid4()}"
+    env = {**os.environ, "DCP_TEST_MARKER": marker.split("=", 1)[1]}
+    cli = subprocess.Popen([sys.executable, "-m", "dcp_compile.cli.main", "demo", "--steps", "100"], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while len(_marked_processes(marker)) < 3 and time.time() < deadline:  # the CLI and its 2 ranks
+        time.sleep(0.2)
+    assert len(_marked_processes(marker)) >= 3
+    cli.send_signal(signal.SIGTERM)
+    assert cli.wait(timeout=30) == 143
+    deadline = time.time() + 15
+    while _marked_processes(marker) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _marked_processes(marker) == []
