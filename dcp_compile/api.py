@@ -103,6 +103,7 @@ class DCPModel(nn.Module):
         self._agreed_shapes: set[tuple] = set()
         self._failure: str | None = None
         self._location_check = None
+        self._host_flag: torch.Tensor | None = None
         model._dcp_step_running = False
         model.register_forward_pre_hook(_refuse_direct_calls)
 
@@ -154,12 +155,12 @@ class DCPModel(nn.Module):
             self._location_check = (flag.clone(), None)
             self._raise_on_dropped_locations(wait=True)
             return
-        backend = getattr(torch, flag.device.type)
-        host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
-        host.copy_(flag, non_blocking=True)
-        event = backend.Event()
+        if self._host_flag is None:  # pinned once: no host allocation per step
+            self._host_flag = torch.zeros(1, dtype=flag.dtype, pin_memory=True)
+        self._host_flag.copy_(flag, non_blocking=True)  # the flag is sticky: a newer copy covers older steps
+        event = getattr(torch, flag.device.type).Event()
         event.record()
-        self._location_check = (host, event)
+        self._location_check = (self._host_flag, event)
 
     def _raise_on_dropped_locations(self, wait: bool) -> None:
         if self._location_check is None:
