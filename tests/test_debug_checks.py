@@ -40,13 +40,18 @@ def test_a_valid_batch_still_runs(model):
 
 
 def test_the_triton_writer_drops_an_out_of_pool_location_and_the_step_fails():
-    """Default mode (no debug checks), Triton kernels (interpreted on CPU): location -1 used to
-    overwrite the last row; now nothing is written and the step raises."""
-    model = dcp_compile.apply(MLAModel(preset("tiny"), kv_capacity=128, max_requests=2), 1, kernels="triton")
-    batch = _batch()
+    """Default mode (no debug checks), Triton kernels (on the GPU where there is one, else
+    interpreted on CPU): location -1 used to overwrite the last row; now nothing is written, and
+    the error surfaces (at once on CPU; on a GPU without a host sync, so by the next check)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = dcp_compile.apply(MLAModel(preset("tiny"), kv_capacity=128, max_requests=2, device=device), 1,
+                              kernels="triton")
+    batch = _batch().to(device)
     batch.out_loc[0] = -1
     caches = [model.dcp_state.kv_pool.cache(i).clone() for i in range(3)]
     with pytest.raises(IndexError, match="outside the pool"):
         model(*batch.args())
+        model.check_kv_writes()
     assert all(torch.equal(model.dcp_state.kv_pool.cache(i)[-1], caches[i][-1]) for i in range(3))
-    assert model(*_batch().args()).isfinite().all()  # the flag was cleared; dcp_size 1 runs on
+    assert model(*_batch().to(device).args()).isfinite().all()  # the flag was cleared; dcp_size 1 runs on
+    model.check_kv_writes()
