@@ -72,7 +72,8 @@ def _raise_recompile_limit() -> None:
 
 
 def _location_error_flag(device: torch.device):
-    """The Triton KV writer's flag for `device`, if that writer has run there."""
+    """The Triton KV writer's flag for `device` (a tensor's device: 'cuda:0', not 'cuda'), if
+    that writer has run there."""
     kv_writer = sys.modules.get("dcp_compile.lowering.triton.kv_writer")
     return kv_writer._LOCATION_ERROR_FLAGS.get(torch.device(device)) if kv_writer is not None else None
 
@@ -148,7 +149,7 @@ class DCPModel(nn.Module):
     def _watch_locations(self) -> None:
         """Start reading back the Triton KV writer's location-error flag without waiting for it:
         a step's dropped out-of-pool location is reported at the next step (at once on CPU)."""
-        flag = _location_error_flag(self.dcp_state.kv_pool.device)
+        flag = _location_error_flag(self.dcp_state.kv_pool.cache(0).device)
         if flag is None:
             return
         if flag.device.type == "cpu":
@@ -172,7 +173,7 @@ class DCPModel(nn.Module):
             event.synchronize()
         self._location_check = None
         if int(host[0]):
-            _location_error_flag(self.dcp_state.kv_pool.device).zero_()
+            _location_error_flag(self.dcp_state.kv_pool.cache(0).device).zero_()
             raise IndexError("a KV write location outside the pool was given in this or the previous step: the KV "
                              "writer dropped it (it never writes outside the pool); run with debug_checks=True to "
                              "see which")
