@@ -91,8 +91,9 @@ class DCPModel(nn.Module):
     """The compiled model. Each call picks the attention strategy for its batch (forced, or by
     the cost model) and runs that strategy's compiled graph.
 
-    Wrapping it in torch.compile works: its forward is opaque to an outer compile (a graph break
-    there), so DCP's own compile still runs; with fullgraph=True the outer compile raises."""
+    Wrapping it in torch.compile works (fullgraph too): its forward is opaque to an outer
+    compile, so DCP's own compile still runs. Inside a larger module compiled with
+    fullgraph=True it is a graph break, which that compile reports with the reason."""
 
     def __init__(self, model: nn.Module, state: DCPState):
         super().__init__()
