@@ -37,26 +37,41 @@ class StaleHostLengthsError(RuntimeError):
     pass
 
 
-class CudaGraphs:
+class _DeviceGraphs:
+    """Capture on a side stream after two warm-up runs, into one memory pool; `backend` is the
+    torch device module (torch.cuda, torch.npu)."""
+
+    backend = None
+    graph_class = ""
+    capture_options: dict = {}
+
+    def __init__(self):
+        self.device = torch.device(self.backend_name, self.backend.current_device())
+        self.pool = self.backend.graph_pool_handle()
+
+    def capture(self, run):
+        stream = self.backend.Stream()
+        stream.wait_stream(self.backend.current_stream())
+        with self.backend.stream(stream):
+            for _ in range(2):
+                run()
+        self.backend.current_stream().wait_stream(stream)
+        graph = getattr(self.backend, self.graph_class)()
+        with self.backend.graph(graph, pool=self.pool, **self.capture_options):
+            output = run()
+        return graph, output
+
+
+class CudaGraphs(_DeviceGraphs):
     """CUDA graphs: collectives and kernels replay as captured; nothing is host-fed."""
+
+    backend_name, graph_class = "cuda", "CUDAGraph"
 
     def __init__(self):
         if not torch.cuda.is_available():
             raise RuntimeError("GraphRunner needs a CUDA GPU for CUDA graphs; on CPU call the model directly")
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.pool = torch.cuda.graph_pool_handle()
-
-    def capture(self, run):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = run()
-        return graph, output
+        self.backend = torch.cuda
+        super().__init__()
 
     def replay(self, graph, updates) -> None:
         graph.replay()
@@ -65,30 +80,21 @@ class CudaGraphs:
         return None
 
 
-class NPUGraphs:
+class NPUGraphs(_DeviceGraphs):
     """Ascend NPU graphs (torch.npu.NPUGraph). Capture records FIA calls with
     `auto_dispatch_capture`; each replay first pushes the step's FIA lengths with
     `NPUGraph.update(cpu_update_input=...)`, one dict per recorded FIA call (ASCEND.md §3.2)."""
+
+    backend_name, graph_class = "npu", "NPUGraph"
+    capture_options = {"auto_dispatch_capture": True}
 
     def __init__(self):
         from dcp_compile.lowering.npu import require_torch_npu
 
         require_torch_npu("NPU graphs")
-        self.device = torch.device("npu", torch.npu.current_device())
-        self.pool = torch.npu.graph_pool_handle()
+        self.backend = torch.npu
+        super().__init__()
         self._applied: dict[int, list] = {}
-
-    def capture(self, run):
-        stream = torch.npu.Stream()
-        stream.wait_stream(torch.npu.current_stream())
-        with torch.npu.stream(stream):
-            for _ in range(2):
-                run()
-        torch.npu.current_stream().wait_stream(stream)
-        graph = torch.npu.NPUGraph()
-        with torch.npu.graph(graph, pool=self.pool, auto_dispatch_capture=True):
-            output = run()
-        return graph, output
 
     def replay(self, graph, updates) -> None:
         if updates:
