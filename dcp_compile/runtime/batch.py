@@ -5,6 +5,7 @@ The scheduler's address space (logical locations) is the same with and without D
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -177,13 +178,13 @@ class RequestTable:
         return len(self.free_pages) * self.page_size
 
     def _check_request(self, request) -> None:
-        if isinstance(request, bool) or not isinstance(request, int) or not 0 <= request < len(self.pages):
+        if isinstance(request, bool) or not isinstance(request, numbers.Integral) or not 0 <= request < len(self.pages):
             raise ValueError(f"request must be an int in [0, {len(self.pages)}), got {request!r}")
 
     def _pages_needed(self, request: int, count: int) -> int:
         """Pages `request` needs for `count` more tokens; raises if it may not have them."""
         self._check_request(request)
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
             raise ValueError(f"a request appends a whole number of tokens >= 0, got {count!r}")
         start = int(self.seq_lens[request])
         end = start + count
