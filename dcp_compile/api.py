@@ -153,8 +153,8 @@ class DCPModel(nn.Module):
         flag = _location_error_flag(self.dcp_state.kv_pool.cache(0).device)
         if flag is None:
             return
-        if flag.device.type == "cpu":
-            self._location_check = (flag.clone(), None)
+        if flag.device.type == "cpu":  # reading it costs nothing: check now
+            self._location_check = (flag, None)
             self._raise_on_dropped_locations(wait=True)
             return
         if self._host_flag is None:  # pinned once: no host allocation per step

@@ -213,11 +213,10 @@ class LowerNPUAttention(GraphPass):
                     views[site.cache] = self._paged_views(graph, site, block_size)
                 out, lse = self._attention(graph, site, host, checked_table, views[site.cache], block_size, decode)
             if site.returns_lse:
-                outputs = fake_value(site.node)
-                if (out.meta["val"].dtype, lse.meta["val"].dtype) != (outputs[0].dtype, outputs[1].dtype):
-                    raise RuntimeError(f"{self.name}: FIA's outputs do not keep the partial attention's dtypes")
-                for user in list(site.node.users):
-                    user.replace_all_uses_with(out if user.args[1] == 0 else lse)
+                for user in list(site.node.users):  # getitem 0 (out) and 1 (lse)
+                    replacement = out if user.args[1] == 0 else lse
+                    check_replacement(user, replacement, self.name)
+                    user.replace_all_uses_with(replacement)
                     graph.erase_node(user)
             else:
                 check_replacement(site.node, out, self.name)

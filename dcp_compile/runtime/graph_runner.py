@@ -38,14 +38,14 @@ class StaleHostLengthsError(RuntimeError):
 
 
 class _DeviceGraphs:
-    """Capture on a side stream after two warm-up runs, into one memory pool; `backend` is the
-    torch device module (torch.cuda, torch.npu)."""
+    """Capture on a side stream after two warm-up runs, into one memory pool. `backend_name`
+    names the torch device module (torch.cuda, torch.npu), `graph_class` its graph type."""
 
-    backend = None
-    graph_class = ""
+    backend_name = graph_class = ""
     capture_options: dict = {}
 
     def __init__(self):
+        self.backend = getattr(torch, self.backend_name)
         self.device = torch.device(self.backend_name, self.backend.current_device())
         self.pool = self.backend.graph_pool_handle()
 
@@ -70,7 +70,6 @@ class CudaGraphs(_DeviceGraphs):
     def __init__(self):
         if not torch.cuda.is_available():
             raise RuntimeError("GraphRunner needs a CUDA GPU for CUDA graphs; on CPU call the model directly")
-        self.backend = torch.cuda
         super().__init__()
 
     def replay(self, graph, updates) -> None:
@@ -92,7 +91,6 @@ class NPUGraphs(_DeviceGraphs):
         from dcp_compile.lowering.npu import require_torch_npu
 
         require_torch_npu("NPU graphs")
-        self.backend = torch.npu
         super().__init__()
         self._applied: dict[int, list] = {}
 

@@ -12,6 +12,7 @@ schedulers of their own, and as the oracle the incremental version is tested aga
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +44,7 @@ class RankHostMetadata:
 
     @property
     def cumulative_query_lens(self) -> list[int]:
-        total, out = 0, []
-        for n in self.query_lens:
-            total += n
-            out.append(total)
-        return out
+        return list(itertools.accumulate(self.query_lens))
 
 
 @dataclass(frozen=True)
@@ -68,10 +65,6 @@ class HostMetadata:
     @property
     def rows(self) -> int:
         return len(self.query_lens)
-
-    @property
-    def block_size(self) -> int | None:
-        return layout.local_block_size(self.page_size, self.dcp_size, self.interleave)
 
     def for_rank(self, rank: int) -> RankHostMetadata:
         table = self.block_tables[rank] if self.block_tables is not None else None

@@ -60,7 +60,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
     if backend == "hccl":
         torch.npu.set_device(rank)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=check_timeout(timeout))
         results.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException as exc:  # reported to the parent, which raises
         if "timed out" in str(exc).lower():
