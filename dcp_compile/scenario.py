@@ -330,6 +330,9 @@ def compare_torchrun(scenario: Scenario) -> tuple[dict, int]:
         result = run_on_rank(int(os.environ.get("LOCAL_RANK", rank)) if scenario.device != "cpu" else rank, world, scenario)
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
+        # No rank tears its connections down while a peer may still be receiving: a gloo peer
+        # that sees a connection reset mid-collective aborts its process.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return summarize(scenario, gathered), rank

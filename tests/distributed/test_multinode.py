@@ -33,7 +33,7 @@ def test_two_torchrun_nodes_match_dcp_size_one(tmp_path):
     finally:
         for node in nodes:
             node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-6000:] for _, err in outputs]
     summaries = [json.loads(line) for out, _ in outputs for line in out.splitlines() if line.startswith("{")]
     assert len(summaries) == 1  # global rank 0 prints
     summary = summaries[0]
