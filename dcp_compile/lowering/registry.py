@@ -17,6 +17,7 @@ LAUNCHERS = {
     "mla_partial_attention": "partial_attention",
     "pack_partials": "pack_partials",
     "merge_partials": "merge_partials",
+    "window_attention": "window_attention",
 }
 _library: torch.library.Library | None = None
 

@@ -346,6 +346,40 @@ def test_sharded_attention_merges_to_the_unsharded_result():
 
 
 # ---------------------------------------------------------------------------------------------
+# Window attention (the masked part of verify next to an unmasked paged kernel)
+
+
+def _prefix_partials(args):
+    """Attention over each row's keys before its first query: what an unmasked paged call returns."""
+    q_latent, q_rope, cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions = args
+    first = reference.first_query_positions(q_seq_ids, q_positions, page_table.shape[0])
+    return reference.partial_attention(q_latent, q_rope, cache, page_table, seq_lens, key_positions, q_seq_ids,
+                                       first[q_seq_ids] - 1, SCALE)
+
+
+@pytest.mark.parametrize("dcp_size,interleave,rank", [(1, 1, 0), (2, 1, 1), (4, 2, 2)])
+@pytest.mark.parametrize("queries,window", [(1, 1), (3, 16), (7, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_attention_completes_the_prefix_to_causal_attention(dcp_size, interleave, rank, queries, window, dtype):
+    seed = 7000 + dcp_size * 100 + rank * 10 + queries
+    args = _local_attention_inputs(LENGTHS, [min(queries, max(n, 1)) for n in LENGTHS], dcp_size, interleave, rank,
+                                   heads=20, rank_dim=48, rope_dim=8, dtype=dtype, table_dtype=torch.int32, seed=seed)
+    prefix_out, prefix_lse = _prefix_partials(args)
+    got = triton_kernels.window_attention(prefix_out, prefix_lse, *args, SCALE, window)
+    tolerance = FP32 if dtype == torch.float32 else BF16
+    _assert_attention_close(got, reference.window_attention(prefix_out, prefix_lse, *args, SCALE, window), tolerance)
+    _assert_attention_close(got, reference.partial_attention(*args, SCALE), tolerance)
+
+
+def test_window_attention_without_queries():
+    args = _local_attention_inputs([3], [1], 1, 1, 0, heads=2, rank_dim=16, rope_dim=16, dtype=torch.float32,
+                                   table_dtype=torch.int64, seed=5)
+    empty = [a[:0] if i in (0, 1, 6, 7) else a for i, a in enumerate(args)]
+    out, lse = triton_kernels.window_attention(empty[0], empty[0][..., 0].float(), *empty, SCALE, 4)
+    assert out.shape == (0, 2, 16) and lse.shape == (0, 2)
+
+
+# ---------------------------------------------------------------------------------------------
 # Pack and merge
 
 

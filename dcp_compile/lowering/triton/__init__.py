@@ -10,6 +10,8 @@ Each launcher has the signature and return values of the matching function in
                       q_seq_ids, q_positions, sm_scale) -> (out, lse)
     pack_partials(out, lse, dcp_size) -> packed
     merge_partials(packed, kv_lora_rank) -> merged
+    window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens,
+                     key_positions, q_seq_ids, q_positions, sm_scale, window) -> (out, lse)
 
 The launchers that allocate outputs also come as `*_into` variants in their modules, writing into
 given buffers (the static buffers of a captured graph); `attention.partial_attention_into` also
@@ -31,6 +33,7 @@ _LAUNCHER_MODULES = {
     "partial_attention": "attention",
     "pack_partials": "pack",
     "merge_partials": "merge",
+    "window_attention": "window",
 }
 
 __all__ = ["available", *_LAUNCHER_MODULES]

@@ -8,9 +8,10 @@ lse = -inf.
 Stage 1 runs one program per (query, KV split, head tile). Each program loads a block of KV
 rows once and uses it for every head of its tile: the latent part is both K (scores) and V
 (output), the rope part only K. With at most MAX_BLOCK_H heads there is one tile, so each KV row
-is read once for all heads of the query; that keeps the time flat from 16 to 64 heads. With more
-heads, the tiles of one split are adjacent program ids, so they run together and share the rows
-through L2. Stage 2 merges the splits of each (query, head) by their LSE.
+is read once for all heads of the query; that keeps the time flat from 16 to 64 heads. Program
+ids run over head tiles, then queries, then splits: the tiles of one query and the queries of
+one request (verify's k tokens) that read the same split are adjacent, so they run together and
+share its rows through L2 instead of streaming the KV once per query. Stage 2 merges the splits of each (query, head) by their LSE.
 
 Offsets into the cache, the queries and the workspace are 64-bit, so a pool of more than 2^31
 elements works.
@@ -71,9 +72,11 @@ def _attend_splits_kernel(
     key_offsets = tl.arange(0, BLOCK_N)
     work_items = tokens * num_splits * head_tiles
     for work in range(tl.program_id(0), work_items, tl.num_programs(0)):
+        # Head tiles, then tokens, vary fastest: the queries of one request (adjacent tokens) read
+        # the same KV split at the same time, so verify's k queries share each block through L2.
         head_tile = work % head_tiles
-        split = (work // head_tiles) % num_splits
-        token = tl.cast(work // (head_tiles * num_splits), tl.int64)
+        token = tl.cast((work // head_tiles) % tokens, tl.int64)
+        split = work // (head_tiles * tokens)
         request = tl.load(q_seq_ids_ptr + token * stride_q_seq_ids).to(tl.int64)
         seq_len = tl.load(seq_lens_ptr + request * stride_seq_lens).to(tl.int32)
         query_position = tl.load(q_positions_ptr + token * stride_q_positions).to(tl.int64)
