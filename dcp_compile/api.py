@@ -17,6 +17,7 @@ from dcp_compile.passes.cache_use import CacheMisuseError
 from dcp_compile.passes.graph_utils import RewriteError
 from dcp_compile.passes.manager import check_pass_names
 from dcp_compile.runtime import parallel
+from dcp_compile.passes.lower_flashinfer_attention import MAX_WINDOW_QUERY_TOKENS
 from dcp_compile.runtime.host_metadata import MAX_FIA_QUERY_TOKENS, HostMetadata, HostSlot
 from dcp_compile.runtime.kv_pool import CapacityReport, MLAKVPool
 
@@ -35,8 +36,8 @@ class DCPState:
 
     @property
     def needs_host_metadata(self) -> bool:
-        """Whether attention runs kernels that take host values (Ascend FIA's lengths)."""
-        return self.config.kernels == "npu"
+        """Whether attention runs kernels that take host values (Ascend FIA's lengths, FlashInfer's plan)."""
+        return self.config.kernels in ("npu", "flashinfer")
 
     @property
     def capacity(self) -> CapacityReport:
@@ -54,6 +55,9 @@ class DCPState:
                 total[name] = total.get(name, 0) + sites
         return total
 
+
+MAX_PAGED_QUERY_TOKENS = min(MAX_FIA_QUERY_TOKENS, MAX_WINDOW_QUERY_TOKENS)
+"""Query tokens per row that the paged lowerings (FIA; FlashInfer under DCP) serve in gather-q."""
 
 RECOMPILE_LIMIT = 256
 """Graphs are static-shape (one per batch shape and strategy), so allow many per model."""
@@ -238,7 +242,7 @@ class DCPModel(nn.Module):
             metadata = getattr(self.model, "attention_metadata", None)
             if metadata is None:
                 raise ValueError(
-                    "kernels='npu' needs the batch's host-side metadata: pass host_metadata=batch.host (a ForwardBatch "
+                    f"kernels={config.kernels!r} needs the batch's host-side metadata: pass host_metadata=batch.host (a ForwardBatch "
                     "from RequestTable), or give the model an attention_metadata() method (README, model contract)"
                 )
             meta = metadata(*args, **kwargs)
@@ -256,12 +260,16 @@ class DCPModel(nn.Module):
     def _decide(self, args, kwargs, host: HostMetadata | None = None) -> cost_model.Decision:
         state = self.dcp_state
         strategy = state.config.attention_strategy
-        if host is not None and state.config.kernels == "npu" and max(host.query_lens, default=0) > MAX_FIA_QUERY_TOKENS:
+        paged = {"npu": "FIA", "flashinfer": "the FlashInfer lowering under DCP"}.get(state.config.kernels)
+        # FlashInfer's own causal mask serves any chunk at dcp_size 1; FIA and the DCP split do not.
+        limited = paged is not None and (state.config.kernels == "npu" or state.config.dcp_size > 1)
+        if host is not None and limited and max(host.query_lens, default=0) > MAX_PAGED_QUERY_TOKENS:
             if strategy == "gather-q" and state.config.dcp_size > 1:
-                raise ValueError(f"attention_strategy='gather-q' with kernels='npu' serves at most {MAX_FIA_QUERY_TOKENS} "
-                                 f"query tokens per request (FIA); this batch has {max(host.query_lens)}")
-            return cost_model.Decision("gather-kv", True, {}, f"a row has more than {MAX_FIA_QUERY_TOKENS} query tokens, "
-                                       "which FIA does not serve")
+                raise ValueError(f"attention_strategy='gather-q' with kernels={state.config.kernels!r} serves at most "
+                                 f"{MAX_PAGED_QUERY_TOKENS} query tokens per request ({paged}); this batch has "
+                                 f"{max(host.query_lens)}")
+            return cost_model.Decision("gather-kv", True, {}, f"a row has more than {MAX_PAGED_QUERY_TOKENS} query tokens, "
+                                       f"which {paged} does not serve")
         if state.config.dcp_size == 1:
             return cost_model.Decision("gather-q", True, {}, "dcp_size 1: attention is local")
         if strategy != "auto":
@@ -330,8 +338,12 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     parallel.validate_sizes(current.tp_size, config.dcp_size, world)
     if config.kernels == "auto" and pool.device.type == "npu":
         config = config.replace(kernels="npu")
+    if config.kernels == "auto" and pool.device.type == "cuda":
+        config = config.replace(kernels=_cuda_kernels(pool, config))
     if config.kernels == "npu":
         _check_npu_lowering(model, pool, config)
+    if config.kernels == "flashinfer":
+        _check_flashinfer_lowering(pool, config)
     if config.inner_compile == "torchair":
         from dcp_compile.lowering.npu import require_torch_npu
 
@@ -365,6 +377,41 @@ def _check_npu_lowering(model: nn.Module, pool: MLAKVPool, config: DCPConfig) ->
     heads = getattr(model, "num_local_heads", None)
     if heads is not None:
         padded_heads(heads * config.dcp_size)
+
+
+def _cuda_kernels(pool: MLAKVPool, config: DCPConfig) -> str:
+    """kernels='auto' on CUDA: FlashInfer where it serves this GPU and model, else Triton."""
+    from dcp_compile.lowering import flashinfer
+    from dcp_compile.passes.base import PassConfig
+    from dcp_compile.passes.lower_flashinfer_attention import flashinfer_block_size
+
+    reason = flashinfer.unsupported_reason(pool.device, pool.kv_lora_rank, pool.rope_dim, pool.dtype)
+    if reason is None and config.inner_compile != "eager":
+        reason = f"inner_compile={config.inner_compile!r} (FlashInfer runs with 'eager')"
+    if reason is None:
+        try:
+            flashinfer_block_size(PassConfig(dcp_size=config.dcp_size, interleave=config.interleave,
+                                             page_size=pool.page_size))
+        except ValueError as exc:
+            reason = str(exc)
+    if reason is None:
+        return "flashinfer"
+    flashinfer.log.info("kernels='auto': the Triton attention kernel, not FlashInfer: %s", reason)
+    return "triton"
+
+
+def _check_flashinfer_lowering(pool: MLAKVPool, config: DCPConfig) -> None:
+    """What the FlashInfer lowering needs, checked before anything is compiled. On the CPU it runs
+    a torch stand-in of FlashInfer (tests, the demo); elsewhere it needs FlashInfer on a Hopper GPU."""
+    from dcp_compile.lowering import flashinfer
+    from dcp_compile.passes.base import PassConfig
+    from dcp_compile.passes.lower_flashinfer_attention import flashinfer_block_size
+
+    if pool.device.type != "cpu":
+        reason = flashinfer.unsupported_reason(pool.device, pool.kv_lora_rank, pool.rope_dim, pool.dtype)
+        if reason is not None:
+            raise RuntimeError(f"kernels='flashinfer': {reason}")
+    flashinfer_block_size(PassConfig(dcp_size=config.dcp_size, interleave=config.interleave, page_size=pool.page_size))
 
 
 def state(compiled: nn.Module) -> DCPState:

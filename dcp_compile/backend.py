@@ -43,7 +43,7 @@ def _own_graph(gm: fx.GraphModule) -> fx.GraphModule:
 class DCPBackend:
     """A torch.compile backend for one attention strategy. Keeps one PassReport per captured
     graph in `reports`. Graph inputs that a lowering feeds from the host (FIA's lengths) are
-    read from `host_slot` on every call."""
+    read from `host_slot` on every call; FlashInfer plans are made from it before every call."""
 
     def __init__(self, config: DCPConfig, parallel: ParallelState, strategy: str = "gather-q", page_size: int = 1,
                  host_slot: HostSlot | None = None, pool=None):
@@ -75,16 +75,23 @@ class DCPBackend:
 
             return compile_fx(gm, example_inputs)
         feed = host_input_feeder(gm.graph, self.parallel.dcp_rank)
+        plans = []
+        if "dcp_flashinfer_plans" in gm.meta:
+            from dcp_compile.lowering.flashinfer.plans import graph_plans, plan_step
+
+            plans = graph_plans(gm.meta)
         compiled = gm.forward
         if self.config.inner_compile == "torchair":
             compiled = torchair_compiler(self.config.torchair_mode)(gm, list(example_inputs) + self._host_examples(gm, feed))
-        if feed is None:
+        if feed is None and not plans:
             return compiled
-        slot, fia_args = self.host_slot, gm.meta.get("dcp_fia_host_args")
+        slot, fia_args, rank = self.host_slot, gm.meta.get("dcp_fia_host_args"), self.parallel.dcp_rank
 
         def run(*args):
-            slot.fia_args = fia_args
-            return compiled(*args, *feed(slot.current))
+            slot.fia_args, slot.plans = fia_args, plans
+            if plans:
+                plan_step(plans, slot.current, rank)
+            return compiled(*args, *feed(slot.current)) if feed is not None else compiled(*args)
 
         return run
 

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 INNER_COMPILERS = ("eager", "inductor", "torchair")
-KERNEL_BACKENDS = ("auto", "torch", "triton", "npu")
+KERNEL_BACKENDS = ("auto", "torch", "triton", "flashinfer", "npu")
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,11 @@ class DCPConfig:
     """inner_compile='torchair': 'reduce-overhead' (aclgraph) or 'npugraph_ex' (torch_npu >= 2.14)."""
 
     kernels: str = "auto"
-    """'torch' reference kernels, 'triton' kernels, 'npu' (Ascend: FIA for attention over the KV
-    pool, npu_attention_update for the merge; CPU stand-ins where torch_npu is absent), or 'auto'
-    (triton on CUDA, npu on Ascend NPUs, torch elsewhere)."""
+    """'torch' reference kernels, 'triton' kernels, 'flashinfer' (CUDA, Hopper: FlashInfer's MLA
+    kernel for attention over the KV pool, Triton for the rest; a torch stand-in of FlashInfer on
+    CPU), 'npu' (Ascend: FIA for attention over the KV pool, npu_attention_update for the merge;
+    CPU stand-ins where torch_npu is absent), or 'auto' (on CUDA, flashinfer where it is installed
+    and serves the GPU and the model, else triton; npu on Ascend NPUs; torch elsewhere)."""
 
     attention_strategy: str = "auto"
     """'gather-q', 'gather-kv', or 'auto': the cost model picks per batch (dcp_compile.cost_model)."""
@@ -54,6 +56,9 @@ class DCPConfig:
             raise ValueError(f"torchair_mode must be 'reduce-overhead' or 'npugraph_ex', got {self.torchair_mode!r}")
         if self.kernels == "npu" and self.inner_compile == "inductor":
             raise ValueError("kernels='npu' runs with inner_compile='eager' (inductor does not lower the torch_npu ops)")
+        if self.kernels == "flashinfer" and self.inner_compile != "eager":
+            raise ValueError("kernels='flashinfer' runs with inner_compile='eager': its attention reads a plan made on "
+                             "the host before each step, which another compiler could reorder around")
         if not isinstance(self.debug_checks, bool):
             raise ValueError(f"debug_checks must be True or False, got {self.debug_checks!r}")
         if self.attention_strategy not in ("auto", "gather-q", "gather-kv"):

@@ -20,10 +20,11 @@ class PassConfig:
     """How attention reaches the sharded KV: 'gather-q' (Q all-gather, partial attention, LSE
     merge) or 'gather-kv' (all-gather this batch's KV rows, attend with local heads)."""
     kernels: str = "auto"
-    """'torch' reference kernels, 'triton' kernels, 'npu' (Ascend FIA and npu_attention_update), or
-    'auto' (triton where the KV cache is on CUDA)."""
+    """'torch' reference kernels, 'triton' kernels, 'flashinfer' (FlashInfer's MLA kernel for
+    attention over the pool, triton for the rest on CUDA), 'npu' (Ascend FIA and
+    npu_attention_update), or 'auto' (triton where the KV cache is on CUDA)."""
     page_size: int = 1
-    """Locations per logical KV page (the pool's); paged kernels (FIA) read local blocks of it."""
+    """Locations per logical KV page (the pool's); paged kernels (FIA, FlashInfer) read local blocks of it."""
 
 
 class GraphPass:

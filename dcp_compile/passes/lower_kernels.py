@@ -7,8 +7,9 @@
 Assumes: the DCP rewrites ran (or were switched off); what is left of the canonical ops has the
 unsharded meaning, which the Triton kernels serve with dcp_size 1.
 Guarantees: each swapped node keeps its arguments, users and fake value; ops with no Triton
-kernel keep the torch reference. 'auto' lowers only graphs whose KV cache lives on CUDA, 'npu'
-only graphs whose KV cache lives on an NPU (what lower_npu_attention left, for triton-ascend).
+kernel keep the torch reference. 'auto' and 'flashinfer' lower only graphs whose KV cache lives
+on CUDA (under 'flashinfer', what lower_flashinfer_attention left), 'npu' only graphs whose KV
+cache lives on an NPU (what lower_npu_attention left, for triton-ascend).
 Why a pass: the kernel choice depends on the device and the deployment, and a visible target in
 the graph says which kernel runs.
 """
@@ -43,7 +44,8 @@ class LowerKernels(GraphPass):
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         graph = gm.graph
         device = _graph_device(graph)
-        if config.kernels == "auto" and (device is None or device.type != "cuda"):
+        # 'flashinfer' lowered attention over the pool already; the rest runs Triton on CUDA.
+        if config.kernels in ("auto", "flashinfer") and (device is None or device.type != "cuda"):
             return 0
         # kernels='npu': what FIA does not serve (KV writes, gather-kv attention) runs the same
         # Triton kernels under triton-ascend on an NPU; on the CPU stand-ins, the torch reference.

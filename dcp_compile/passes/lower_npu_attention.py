@@ -54,8 +54,6 @@ Why a pass: the kernel and its layout depend on the deployment (Ascend), not on 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-
 import torch
 import torch.fx as fx
 from torch._dynamo.source import ConstantSource
@@ -83,25 +81,6 @@ def fia_op():
 
 def attention_update_op():
     return torch.ops.npu.npu_attention_update.default
-
-
-@dataclass
-class _Site:
-    """One attention over the pool, with the local view (page table, lengths, key positions)."""
-
-    node: fx.Node
-    q_latent: fx.Node
-    q_rope: fx.Node
-    cache: fx.Node
-    page_table: fx.Node
-    local_lens: fx.Node
-    key_positions: fx.Node | None
-    q_seq_ids: fx.Node
-    q_positions: fx.Node
-    sm_scale: float
-    req_to_token: fx.Node
-    seq_lens: fx.Node
-    returns_lse: bool
 
 
 def fia_block_size(config: PassConfig) -> int:
@@ -187,7 +166,7 @@ class LowerNPUAttention(GraphPass):
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         ensure_ops()
         graph = gm.graph
-        attention = self._find(graph, config)
+        attention = sites.find_pool_attention(graph, config.dcp_size)
         merges = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.dcp.merge_partials.default]
         if not attention and not merges:
             return 0
@@ -232,26 +211,7 @@ class LowerNPUAttention(GraphPass):
         return len(attention) + len(merges)
 
     @staticmethod
-    def _find(graph: fx.Graph, config: PassConfig) -> list[_Site]:
-        if config.dcp_size == 1:
-            return [_Site(s.node, s.q_latent, s.q_rope, s.cache, s.req_to_token, s.seq_lens, None, s.q_seq_ids,
-                          s.q_positions, s.sm_scale, s.req_to_token, s.seq_lens, False)
-                    for s in sites.find_attention_sites(graph)]
-        pool_caches = {s.cache for s in sites.find_kv_writes(graph, sharded=True)}
-        found = []
-        for node in graph.nodes:
-            if node.op != "call_function" or node.target is not sites.PARTIAL_ATTENTION or node.args[2] not in pool_caches:
-                continue
-            q_latent, q_rope, cache, page_table, local_lens, key_positions, q_seq_ids, q_positions, sm_scale = node.args
-            metadata = page_table.args[0]
-            if metadata.target is not sites.LOCAL_METADATA:
-                raise RuntimeError("lower_npu_attention expects partial attention over local_metadata's page table")
-            found.append(_Site(node, q_latent, q_rope, cache, page_table, local_lens, key_positions, q_seq_ids,
-                               q_positions, sm_scale, metadata.args[0], metadata.args[1], True))
-        return found
-
-    @staticmethod
-    def _block_table(graph, host: _HostInputs, site: _Site, config: PassConfig, block_size: int, decode: bool) -> fx.Node:
+    def _block_table(graph, host: _HostInputs, site: sites.PoolAttention, config: PassConfig, block_size: int, decode: bool) -> fx.Node:
         table = host.block_table()
         if not config.debug_checks:
             return table
@@ -262,7 +222,7 @@ class LowerNPUAttention(GraphPass):
                     config.dcp_rank, config.dcp_size, config.interleave, block_size, lens, prefix, cumulative)
 
     @staticmethod
-    def _paged_views(graph, site: _Site, block_size: int) -> tuple[fx.Node, fx.Node]:
+    def _paged_views(graph, site: sites.PoolAttention, block_size: int) -> tuple[fx.Node, fx.Node]:
         rows, row_dim = fake_value(site.cache).shape
         rank_dim = fake_value(site.q_latent).shape[-1]
         if rows % block_size:
@@ -274,7 +234,7 @@ class LowerNPUAttention(GraphPass):
                 call(graph, aten.view.default, rope, [blocks, block_size, row_dim - rank_dim]))
 
     @staticmethod
-    def _attention(graph, site: _Site, host: _HostInputs, block_table, views, block_size: int, decode: bool):
+    def _attention(graph, site: sites.PoolAttention, host: _HostInputs, block_table, views, block_size: int, decode: bool):
         tokens, heads, rank_dim = fake_value(site.q_latent).shape
         rope_dim = fake_value(site.q_rope).shape[-1]
         rows, width = fake_value(site.req_to_token).shape

@@ -22,6 +22,7 @@ from dcp_compile.passes.gather_kv_attention import GatherKVAttention
 from dcp_compile.passes.cleanup import Cleanup
 from dcp_compile.passes.graph_utils import normalize_meta, op_counts
 from dcp_compile.passes.local_metadata import LocalMetadata
+from dcp_compile.passes.lower_flashinfer_attention import LowerFlashInferAttention
 from dcp_compile.passes.lower_kernels import LowerKernels
 from dcp_compile.passes.lower_npu_attention import LowerNPUAttention
 from dcp_compile.passes.rewrite_attention import RewriteAttention
@@ -33,7 +34,8 @@ log = logging.getLogger("dcp_compile.passes")
 
 def default_passes() -> list[GraphPass]:
     return [CheckLocations(), CheckMetadata(), ShardKVWrite(), LocalMetadata(), RewriteAttention(),
-            GatherKVAttention(), LowerNPUAttention(), LowerKernels(), Cleanup(), Verify()]
+            GatherKVAttention(), LowerNPUAttention(), LowerFlashInferAttention(),
+            LowerKernels(), Cleanup(), Verify()]
 
 
 PASS_NAMES = tuple(p.name for p in default_passes())

@@ -63,3 +63,45 @@ def find_local_metadata(graph: fx.Graph) -> dict[tuple[fx.Node, fx.Node], fx.Nod
 
 def count_mla_sites(graph: fx.Graph) -> int:
     return len(_calls(graph, ATTENTION, PARTIAL_ATTENTION))
+
+
+@dataclass
+class PoolAttention:
+    """Attention over the KV pool, with the view a paged kernel reads: the rank's page table,
+    local lengths and key positions (the global ones at dcp_size 1)."""
+
+    node: fx.Node
+    q_latent: fx.Node
+    q_rope: fx.Node
+    cache: fx.Node
+    page_table: fx.Node
+    local_lens: fx.Node
+    key_positions: fx.Node | None
+    """None at dcp_size 1: a key's position is its page-table column."""
+    q_seq_ids: fx.Node
+    q_positions: fx.Node
+    sm_scale: float
+    req_to_token: fx.Node
+    seq_lens: fx.Node
+    returns_lse: bool
+
+
+def find_pool_attention(graph: fx.Graph, dcp_size: int) -> list[PoolAttention]:
+    """At dcp_size 1, the canonical attention sites; under DCP, the partial attentions over a
+    sharded pool's local metadata (not those over gathered KV rows)."""
+    if dcp_size == 1:
+        return [PoolAttention(s.node, s.q_latent, s.q_rope, s.cache, s.req_to_token, s.seq_lens, None, s.q_seq_ids,
+                              s.q_positions, s.sm_scale, s.req_to_token, s.seq_lens, False)
+                for s in find_attention_sites(graph)]
+    pool_caches = {s.cache for s in find_kv_writes(graph, sharded=True)}
+    found = []
+    for node in _calls(graph, PARTIAL_ATTENTION):
+        if node.args[2] not in pool_caches:
+            continue
+        q_latent, q_rope, cache, page_table, local_lens, key_positions, q_seq_ids, q_positions, sm_scale = node.args
+        metadata = page_table.args[0]
+        if metadata.target is not LOCAL_METADATA:
+            raise RuntimeError("a paged lowering expects partial attention over local_metadata's page table")
+        found.append(PoolAttention(node, q_latent, q_rope, cache, page_table, local_lens, key_positions, q_seq_ids,
+                                   q_positions, sm_scale, metadata.args[0], metadata.args[1], True))
+    return found

@@ -11,7 +11,9 @@ What differs per device lives in a back end: how to capture and replay, and, for
 the host values FIA bakes into its captured tiling (its kv lengths, ASCEND.md §3.2), which must
 be refreshed before every replay. The runner hands each replay the current step's values; in
 debug mode it checks that the back end holds them (a skipped update would replay another step's
-lengths) and that no captured address moved.
+lengths) and that no captured address moved. Graphs that run FlashInfer are planned from the
+step's host metadata before every replay (plan() writes the buffers the captured kernels read);
+debug mode checks every plan was made for this step's lengths.
 """
 
 from __future__ import annotations
@@ -105,10 +107,13 @@ class NPUGraphs(_DeviceGraphs):
 
 
 class _Captured:
-    def __init__(self, graph, inputs: ForwardBatch, output: torch.Tensor, addresses: list[int], fia_args: list):
+    def __init__(self, graph, inputs: ForwardBatch, output: torch.Tensor, addresses: list[int], fia_args: list,
+                 plans: list):
         self.graph, self.inputs, self.output, self.addresses = graph, inputs, output, addresses
         self.fia_args = fia_args
         """Per FIA call of the graph, in order: {FIA argument: host input kind} to refresh."""
+        self.plans = plans
+        """The graph's FlashInfer plans, made anew from each step's host metadata before replay."""
 
 
 class GraphRunner:
@@ -117,8 +122,8 @@ class GraphRunner:
     step: usually `dcp_model.compiled("gather-q")`, one fixed strategy per graph.
     graphs: the back end, CudaGraphs() by default, or NPUGraphs().
     host_slot: `dcp_compile.state(model).host_slot`, for steps whose graphs read host-side
-    metadata (kernels='npu'): the runner sets the step's metadata there, and refreshes the
-    captured FIA lengths from it before every replay.
+    metadata (kernels='npu' or 'flashinfer'): the runner sets the step's metadata there, and
+    refreshes the captured FIA lengths (or FlashInfer plans) from it before every replay.
     watched: tensors the graphs read that the runner does not own (the KV caches); in debug mode
     their addresses, and the runner's own buffers', are checked before every replay.
     """
@@ -150,6 +155,14 @@ class GraphRunner:
         finally:
             self.host_slot.current = None
 
+    def _plan(self, plans: list, host: HostMetadata | None) -> None:
+        from dcp_compile.lowering.flashinfer.plans import plan_step
+
+        plan_step(plans, host, self.host_slot.dcp_rank)
+        if self.debug:  # a plan that did not happen would replay another step's lengths
+            for plan in plans:
+                plan.check_planned(host.for_rank(self.host_slot.dcp_rank))
+
     def capture(self, template: ForwardBatch, tokens_per_row: int) -> _Captured:
         """Capture the graph for template's bucket and page-table width. Verify graphs (more than
         one token per row) return logits for every token; decode graphs, for every row."""
@@ -159,10 +172,11 @@ class GraphRunner:
         if template.host is not None:
             inputs.host = HostMetadata.empty_like(template.host, width).padded(bucket, tokens_per_row)
         if self.host_slot is not None:
-            self.host_slot.fia_args = None
+            self.host_slot.fia_args = self.host_slot.plans = None
         graph, output = self.graphs.capture(lambda: self._run(inputs))
         fia_args = self.host_slot.fia_args if self.host_slot is not None else None
-        captured = _Captured(graph, inputs, output, self._addresses(inputs), fia_args or [])
+        plans = self.host_slot.plans if self.host_slot is not None else None
+        captured = _Captured(graph, inputs, output, self._addresses(inputs), fia_args or [], plans or [])
         self.captured[(bucket, tokens_per_row, width)] = captured
         log.info("captured a graph for bucket %d x %d tokens", bucket, tokens_per_row)
         return captured
@@ -187,6 +201,8 @@ class GraphRunner:
         updates = None
         if captured.fia_args:
             updates = fia_update_inputs(captured.fia_args, padded.host.for_rank(self.host_slot.dcp_rank))
+        if captured.plans:
+            self._plan(captured.plans, padded.host)
         self.graphs.replay(captured.graph, updates)
         if self.debug and updates is not None and self.graphs.applied(captured.graph) != updates:
             raise StaleHostLengthsError(

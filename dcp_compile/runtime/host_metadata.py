@@ -148,12 +148,14 @@ def _blocks_of(local_rows: torch.Tensor, local_lens: torch.Tensor, block_size: i
 class HostSlot:
     """The host metadata of the step being run, set by the compiled model (or a graph runner)
     around each call and read by the graphs' host-input feeders (steps run one at a time per
-    model). `fia_args` is what the last graph run feeds its FIA calls (see fia_update_inputs)."""
+    model). `fia_args` is what the last graph run feeds its FIA calls (see fia_update_inputs);
+    `plans`, the FlashInfer plans it ran (lowering/flashinfer/plans.py)."""
 
     def __init__(self, dcp_rank: int = 0):
         self.dcp_rank = dcp_rank
         self.current: HostMetadata | None = None
         self.fia_args: list[dict[str, str]] | None = None
+        self.plans: list | None = None
 
 
 def fia_update_inputs(fia_args: list[dict[str, str]], host: RankHostMetadata) -> list[dict[str, list[int]]]:

@@ -1,0 +1,218 @@
+"""FlashInfer plans: one MLA wrapper per attention kind of a captured graph, planned on the host.
+
+A `FlashInferPlan` owns a `BatchMLAPagedAttentionWrapper` in CUDA-graph mode: its metadata
+buffers (qo_indptr, kv_indptr, kv_indices, kv_len_arr) are allocated once, for the graph's rows
+and the block-table width, and `plan()` copies each step's values into them, so a captured
+`run()` reads the current step's metadata. Every layer of a graph runs the same plan: it is made
+once per step, before the graph runs (the backend) or replays (the graph runner).
+
+The CSR page list is the rank's local block table: page size = the local block size (rows one
+logical page puts on a rank, runtime/layout.local_block_size), kv_indices = each row's first
+ceil(kv_len / block) local blocks, in position order, from the host metadata RequestTable keeps.
+The KV lengths are the rank's local lengths ('all' keys: decode, and every graph at dcp_size 1)
+or the local keys before the row's first query ('prefix' keys: verify and extend under DCP,
+whose remaining keys go through window attention). The LSE is asked in base e.
+
+`dcp_flashinfer::mla_paged_attention(q_latent, q_rope, kv_cache, plan_id)` runs a plan; the
+graph holds the plan's id, the registry below holds the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dcp_compile.lowering.flashinfer import wrapper_api
+from dcp_compile.runtime.host_metadata import RankHostMetadata
+
+WORKSPACE_BYTES = 128 << 20
+"""FlashInfer's float workspace (split-KV partial outputs), one per device, shared by every plan:
+plans run one at a time on one stream."""
+
+KEY_KINDS = ("all", "prefix")
+
+_PLANS: list["FlashInferPlan"] = []
+_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+
+
+class StalePlanError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    keys: str
+    """'all': every local key of a row; 'prefix': the local keys before the row's first query."""
+    causal: bool
+    """Queries aligned to the end of the keys (FlashInfer's causal mask); only where the keys are
+    the whole sequence (dcp_size 1)."""
+    rows: int
+    tokens: int
+    heads: int
+    rank_dim: int
+    rope_dim: int
+    block_size: int
+    """Rows of one local block: FlashInfer's page size."""
+    blocks_per_row: int
+    """Width of the host block table."""
+    sm_scale: float
+    dtype: torch.dtype
+    device: torch.device
+
+    def __post_init__(self):
+        if self.keys not in KEY_KINDS:
+            raise ValueError(f"keys must be one of {KEY_KINDS}, got {self.keys!r}")
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    if device not in _WORKSPACES:
+        size = WORKSPACE_BYTES if device.type == "cuda" else 1
+        _WORKSPACES[device] = torch.empty(size, dtype=torch.uint8, device=device)
+    return _WORKSPACES[device]
+
+
+def plan_by_id(plan_id: int) -> "FlashInferPlan":
+    return _PLANS[plan_id]
+
+
+class FlashInferPlan:
+    def __init__(self, spec: PlanSpec):
+        self.spec = spec
+        self.id = len(_PLANS)
+        _PLANS.append(self)
+        self.wrapper = None
+        self.planned_for: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        """(query lens, kv lens) of the last plan()."""
+        self.planned_host: RankHostMetadata | None = None
+        self._staged: torch.cuda.Event | None = None
+
+    def _make_wrapper(self):
+        spec, device = self.spec, self.spec.device
+        wrapper_class, _ = wrapper_api(device)
+        buffers = {name: torch.zeros(size, dtype=torch.int32, device=device) for name, size in (
+            ("qo_indptr", spec.rows + 1), ("kv_indptr", spec.rows + 1),
+            ("kv_indices", max(spec.rows * spec.blocks_per_row, 1)), ("kv_len_arr", spec.rows))}
+        return wrapper_class(_workspace(device), use_cuda_graph=True, backend="fa3", **buffers)
+
+    def lengths(self, host: RankHostMetadata) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(query lens, kv lens) this plan takes from a step's host metadata."""
+        kv_lens = host.local_seq_lens if self.spec.keys == "all" else host.local_prefix_lens
+        return tuple(host.query_lens), tuple(kv_lens)
+
+    def plan(self, host: RankHostMetadata) -> None:
+        spec = self.spec
+        query_lens, kv_lens = self.lengths(host)
+        if len(query_lens) != spec.rows or sum(query_lens) != spec.tokens:
+            raise ValueError(f"host metadata has {len(query_lens)} rows and {sum(query_lens)} query tokens; this graph's "
+                             f"FlashInfer plan is for {spec.rows} rows and {spec.tokens} tokens")
+        table = host.block_table
+        if table is None or tuple(table.shape) != (spec.rows, spec.blocks_per_row):
+            raise ValueError(f"FlashInfer reads the shard through a [{spec.rows}, {spec.blocks_per_row}] local block table; "
+                             f"host metadata has {None if table is None else list(table.shape)}")
+        kv = torch.tensor(kv_lens, dtype=torch.int32)
+        blocks = (kv + spec.block_size - 1) // spec.block_size
+        used = torch.arange(spec.blocks_per_row)[None, :] < blocks[:, None]
+        zero = torch.zeros(1, dtype=torch.int32)
+        qo_indptr = torch.cat([zero, torch.tensor(query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
+        kv_indptr = torch.cat([zero, blocks.cumsum(0, dtype=torch.int32)])
+        kv_indices = table.to(torch.int32)[used]
+        if self.wrapper is None:
+            self.wrapper = self._make_wrapper()
+        _, metadata_class = wrapper_api(spec.device)
+        if self._staged is not None:
+            # FlashInfer stages each plan through pinned host memory that it copies to the device
+            # asynchronously; wait until the last plan's copy ran before writing the next one.
+            self._staged.synchronize()
+        self.wrapper.plan(
+            metadata=metadata_class.csr(qo_indptr, kv_indptr, kv_indices, kv),
+            num_heads=spec.heads, head_dim_ckv=spec.rank_dim, head_dim_kpe=spec.rope_dim, page_size=spec.block_size,
+            causal=spec.causal, sm_scale=spec.sm_scale, q_data_type=spec.dtype, kv_data_type=spec.dtype,
+            query_layout="split", kv_cache_layout="split", lse_mode="basee",
+        )
+        if spec.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        self.planned_for, self.planned_host = (query_lens, kv_lens), host
+
+    def check_planned(self, host: RankHostMetadata) -> None:
+        """Raise if the last plan was not made for this step's lengths (debug mode)."""
+        if self.planned_for != self.lengths(host):
+            raise StalePlanError(
+                f"FlashInfer plan {self.id} ({self.spec.keys} keys) was made for lengths {self.planned_for}, but this step "
+                f"has {self.lengths(host)}: a run would read another step's metadata"
+            )
+
+    def run(self, q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor):
+        if self.planned_for is None:
+            raise RuntimeError("this graph's FlashInfer attention ran before it was planned: run the model through "
+                               "dcp_compile.apply's module with the batch's host metadata")
+        spec = self.spec
+        if kv_cache.shape[0] % spec.block_size:
+            raise ValueError(f"the KV shard's {kv_cache.shape[0]} rows are not whole blocks of {spec.block_size}")
+        latent = kv_cache[:, : spec.rank_dim].unflatten(0, (-1, spec.block_size))
+        rope = kv_cache[:, spec.rank_dim :].unflatten(0, (-1, spec.block_size))
+        return self.wrapper.run(query=(q_latent, q_rope), kv_cache=(latent, rope), return_lse=True,
+                                return_lse_base_on_e=True)
+
+
+@torch.library.custom_op("dcp_flashinfer::mla_paged_attention", mutates_args=())
+def mla_paged_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                        plan_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over the rank's KV shard as planned by FlashInferPlan `plan_id`.
+    Returns out [T, H, R] in q's dtype and lse [T, H] fp32 (natural log)."""
+    out, lse = plan_by_id(plan_id).run(q_latent, q_rope, kv_cache)
+    return out, lse
+
+
+@mla_paged_attention.register_fake
+def _(q_latent, q_rope, kv_cache, plan_id):
+    tokens, heads, _ = q_latent.shape
+    return q_latent.new_empty(q_latent.shape), q_latent.new_empty((tokens, heads), dtype=torch.float32)
+
+
+@torch.library.custom_op("dcp_flashinfer::check_plan", mutates_args=())
+def check_plan(q_latent: torch.Tensor, req_to_token: torch.Tensor, seq_lens: torch.Tensor, q_seq_ids: torch.Tensor,
+               q_positions: torch.Tensor, plan_id: int, dcp_rank: int, dcp_size: int, interleave: int) -> torch.Tensor:
+    """Debug mode: raise if plan `plan_id` was made from host metadata that disagrees with the
+    batch tensors (a stale length after a rejected draft, another step's block table). Returns a
+    copy of q_latent, which the attention then reads, so the check runs first."""
+    from dcp_compile.lowering.torch import reference
+
+    plan = plan_by_id(plan_id)
+    host = plan.planned_host
+    if host is None:
+        raise RuntimeError("this graph's FlashInfer attention ran before it was planned")
+    reference.check_host_metadata(host.block_table, req_to_token, seq_lens, q_seq_ids, q_positions, dcp_rank, dcp_size,
+                                  interleave, plan.spec.block_size, host.local_seq_lens, host.local_prefix_lens,
+                                  host.cumulative_query_lens)
+    return q_latent.clone()
+
+
+@check_plan.register_fake
+def _(q_latent, req_to_token, seq_lens, q_seq_ids, q_positions, plan_id, dcp_rank, dcp_size, interleave):
+    return q_latent.new_empty(q_latent.shape)
+
+
+def graph_plans(graph_meta: dict) -> list[FlashInferPlan]:
+    """The FlashInfer plans of a lowered graph (gm.meta), in the order the pass made them."""
+    return [plan_by_id(i) for i in graph_meta.get("dcp_flashinfer_plans", ())]
+
+
+def plan_step(plans: list[FlashInferPlan], host, dcp_rank: int) -> None:
+    """Plan every FlashInfer call of a graph for this step, from its HostMetadata. Skipped while a
+    CUDA graph is being captured: plan() copies host values, which a capture must not record;
+    the graph runner plans before every replay instead."""
+    if not plans:
+        return
+    if host is None:
+        raise RuntimeError(
+            "this graph's attention runs FlashInfer, which is planned from host-side metadata (local lengths, block "
+            "table): call the model with host_metadata=batch.host (a ForwardBatch from RequestTable), or with the "
+            "batch tensors on the CPU"
+        )
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    rank = host.for_rank(dcp_rank)
+    for plan in plans:
+        plan.plan(rank)
