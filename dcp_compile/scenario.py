@@ -5,6 +5,9 @@ twice with one seed (dcp_size=1 and dcp_size=N, same TP), prefill B requests of 
 (whole, or in chunks of C tokens: extend over a sharded prefix), then run decode or verify steps on
 both in lockstep. Every batch carries padded rows that write to location 0.
 
+With `checkpoint`, both models are load_pretrained() from that folder (a DeepSeek-V2/V3 or
+Kimi-K2 checkpoint) instead of random presets, and `prompt_ids` can fix every request's prompt.
+
 Verify uses a scripted draft model: the drafts and how many of them are accepted are drawn from
 the seed, identically for both models, so accept/reject and the truncation that follows are
 exercised with every length from 0 to k-1 accepted drafts.
@@ -15,12 +18,16 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from dcp_compile import api, cost_model
+from dcp_compile.models import hf_config
 from dcp_compile.models.config import allowed_tp_sizes, preset
 from dcp_compile.models.mla import MLAModel
+from dcp_compile.models.pretrained import load_pretrained
+from dcp_compile.models.safetensors_reader import SafetensorsReader
 from dcp_compile.runtime import layout, parallel
 from dcp_compile.runtime.batch import RequestTable, check_draft_len
 from dcp_compile.runtime.launch import DEFAULT_TIMEOUT_S, check_timeout, spawn
@@ -79,6 +86,11 @@ class Scenario:
     dtype: str = "float32"
     timeout: float = DEFAULT_TIMEOUT_S
     """Seconds a collective waits for a stalled rank before the run fails."""
+    checkpoint: str | None = None
+    """A checkpoint folder (config.json + safetensors) whose weights both models load; `model`
+    and `num_heads` are then unused, and `layers` loads the first layers only."""
+    prompt_ids: tuple[int, ...] | None = None
+    """Every request's prompt (token ids); None: random prompts of the `contexts` lengths."""
 
     def __post_init__(self):
         """Everything checkable is checked here, in the parent, before any rank starts."""
@@ -95,8 +107,15 @@ class Scenario:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        cfg = self.model_config()  # an unknown model raises here
-        if self.tp_size not in allowed_tp_sizes(cfg):
+        cfg = self.model_config()  # an unknown model, or a bad checkpoint config, raises here
+        if self.prompt_ids is not None:
+            ids = self.prompt_ids
+            if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in ids):
+                raise ValueError(f"prompt ids must be a non-empty list of token ids in [0, {cfg.vocab_size}) (the "
+                                 f"model's vocab_size); got {list(ids)}")
+        if self.checkpoint is not None:
+            self._check_checkpoint()
+        elif self.tp_size not in allowed_tp_sizes(cfg):
             raise ValueError(f"tp_size {self.tp_size} does not split model {self.model} ({cfg.num_heads} heads); "
                              f"allowed: {allowed_tp_sizes(cfg)}")
         if self.device not in ("cpu", "cuda", "npu"):
@@ -129,6 +148,19 @@ class Scenario:
                 raise ValueError(f"kernels='npu' reads pages as FIA blocks: interleave must be 1 or the block size "
                                  f"{self.block_size}, got {self.interleave}")
 
+    def _check_checkpoint(self) -> None:
+        ckpt = hf_config.read_config(self.checkpoint)
+        if self.num_heads is not None:
+            raise ValueError("num_heads cannot be overridden for a checkpoint (its weights fix the heads)")
+        if self.layers is not None and self.layers > ckpt.model.num_layers:
+            raise ValueError(f"layers {self.layers} exceeds the checkpoint's num_hidden_layers {ckpt.model.num_layers}")
+        hf_config.check_tp_size(ckpt, self.tp_size)
+        try:
+            with SafetensorsReader(ckpt.folder, ckpt.fp8_block):  # the weight files are all there
+                pass
+        except ImportError as exc:
+            raise ValueError(str(exc)) from None
+
     def _check_capacity(self) -> None:
         """The dcp_size=1 baseline's pool (the smaller) must hold every request's whole context."""
         pages = self.pages_for(1)
@@ -156,9 +188,18 @@ class Scenario:
 
     @property
     def lengths(self) -> list[int]:
+        if self.prompt_ids is not None:
+            return [len(self.prompt_ids)] * self.batch
         return [self.contexts[i % len(self.contexts)] for i in range(self.batch)]
 
+    @property
+    def model_name(self) -> str:
+        return Path(self.checkpoint).name if self.checkpoint is not None else self.model
+
     def model_config(self):
+        if self.checkpoint is not None:
+            cfg = hf_config.read_config(self.checkpoint).model
+            return cfg.with_layers(self.layers) if self.layers else cfg
         cfg = preset(self.model)
         if self.num_heads:
             cfg = cfg.replace(num_heads=self.num_heads)
@@ -166,6 +207,8 @@ class Scenario:
 
 
 def _prompts(scenario: Scenario, vocab: int) -> list[list[int]]:
+    if scenario.prompt_ids is not None:
+        return [list(scenario.prompt_ids) for _ in range(scenario.batch)]
     gen = torch.Generator().manual_seed(scenario.seed)
     prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in scenario.lengths]
     if scenario.shared_prefix:
@@ -189,6 +232,9 @@ class Driver:
                                   dcp_size=config.dcp_size, interleave=config.interleave)
         self.logits: list[torch.Tensor] = []
         self.generated: list[list[int]] = [[] for _ in range(scenario.batch)]
+        """The tokens fed back: the leader's where there is one."""
+        self.chosen: list[list[int]] = [[] for _ in range(scenario.batch)]
+        """This model's own greedy tokens (and the accepted drafts), for the same inputs."""
         self.graph_keys: set[tuple] = set()
         """Distinct (tokens, rows, page-table width, strategy) of the steps run: one graph each."""
 
@@ -238,9 +284,11 @@ class Driver:
             kept_len = int(self.table.seq_lens[b]) - k + 1 + m
             self.table.truncate(b, kept_len)
             self.generated[b].extend(drafts[b][:m])
+            self.chosen[b].extend(drafts[b][:m])
             self._generate(b, int(out[b * k + m].argmax()))
 
     def _generate(self, request: int, token: int) -> None:
+        self.chosen[request].append(token)
         if self.leader is not None:
             token = self.leader.generated[request][len(self.generated[request])]
         self.generated[request].append(token)
@@ -254,8 +302,12 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
     prompts = _prompts(scenario, cfg.vocab_size)
 
     def make(dcp_size: int):
-        model = MLAModel(cfg, kv_capacity=scenario.kv_rows, max_requests=scenario.batch, par=tp, seed=scenario.seed,
-                         page_size=scenario.pages_for(dcp_size), device=device, dtype=getattr(torch, scenario.dtype))
+        common = dict(kv_capacity=scenario.kv_rows, max_requests=scenario.batch, par=tp, device=device,
+                      page_size=scenario.pages_for(dcp_size), dtype=getattr(torch, scenario.dtype))
+        if scenario.checkpoint is not None:
+            model = load_pretrained(scenario.checkpoint, num_layers=scenario.layers, **common)
+        else:
+            model = MLAModel(cfg, seed=scenario.seed, **common)
         baseline_kernels = "torch" if scenario.device == "cpu" else "auto"
         if scenario.kernels == "npu":
             baseline_kernels = "npu"
@@ -292,6 +344,7 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         "strategy_counts": dict(state.strategy_counts),
         "last_strategy_reason": decision.reason if decision else None,
         "tokens": dcp.generated,
+        "generated": dcp.chosen,
         "seconds": time.perf_counter() - start,
     }
 
@@ -374,6 +427,7 @@ def summarize(scenario: Scenario, ranks: list[dict]) -> dict:
         "strategy_counts": head["strategy_counts"],
         "last_strategy_reason": head["last_strategy_reason"],
         "tokens": head["tokens"],
+        "generated": head["generated"],
         "seconds": max(r["seconds"] for r in ranks),
         "scenario": asdict(scenario),
     }

@@ -1,8 +1,14 @@
-"""`dcp-compile demo`: DCP decode on CPU ranks, checked against dcp_size=1."""
+"""`dcp-compile demo`: DCP decode on CPU ranks, checked against dcp_size=1.
+
+With --checkpoint DIR both models load a DeepSeek-V2/V3 or Kimi-K2 checkpoint folder; --prompt-ids
+or (where the folder has tokenizer.json) --prompt set every request's prompt, and the JSON's
+`generated` holds each request's greedy tokens of the DCP run (`generated_text` decoded).
+"""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -13,12 +19,43 @@ from dcp_compile.runtime.launch import DEFAULT_TIMEOUT_S
 from dcp_compile.scenario import MODES, Scenario, compare, compare_torchrun
 
 
+DEFAULT_CONTEXT = "1,3,17,64"
+TOKENIZER_FILE = "tokenizer.json"
+
+
 def _lengths(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise ValueError(f"--context takes one length or a comma list of lengths, got {text!r}") from None
     return values
+
+
+def _prompt_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--prompt-ids takes a comma list of token ids, got {text!r}") from None
+
+
+def _tokenizer(checkpoint: str | None):
+    """The checkpoint's tokenizer.json, through the optional `tokenizers` package."""
+    if checkpoint is None or not (Path(checkpoint) / TOKENIZER_FILE).is_file():
+        raise ValueError(f"--prompt needs --checkpoint DIR with a {TOKENIZER_FILE} (else give --prompt-ids)")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError("--prompt needs the tokenizers package: pip install tokenizers (or give --prompt-ids)") from None
+    return Tokenizer.from_file(str(Path(checkpoint) / TOKENIZER_FILE))
+
+
+def _check_flags(args) -> None:
+    if args.checkpoint is not None and args.model is not None:
+        raise ValueError("--model and --checkpoint exclude each other: the checkpoint's config.json is the model")
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise ValueError("--prompt and --prompt-ids exclude each other")
+    if (args.prompt is not None or args.prompt_ids is not None) and args.context is not None:
+        raise ValueError("--context sets random prompts' lengths; --prompt / --prompt-ids set the prompt itself")
 
 
 def register(sub) -> None:
@@ -29,7 +66,7 @@ def register(sub) -> None:
     p.add_argument("--dcp-size", type=int, default=2, help="ranks the KV cache is sharded over (default 2)")
     p.add_argument("--tp-size", type=int, default=None, help="tensor-parallel ranks to spawn (default: dcp size)")
     p.add_argument("--batch", type=int, default=4, help="requests (default 4)")
-    p.add_argument("--context", default="1,3,17,64", help="prompt length, or comma list cycled over the batch")
+    p.add_argument("--context", default=None, help=f"prompt length, or comma list cycled over the batch (default {DEFAULT_CONTEXT})")
     p.add_argument("--steps", type=int, default=8, help="greedy decode steps (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None,
@@ -58,19 +95,33 @@ def register(sub) -> None:
     p.add_argument("--launch", default="spawn", choices=("spawn", "torchrun"),
                    help="spawn the ranks here (default), or join the ranks of a torchrun launch, on one node or "
                         "several (every TP group of the world runs the check; rank 0 prints)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="load this checkpoint folder (config.json + safetensors; DeepSeek-V2/V3, Kimi-K2) instead of a "
+                        "random preset; --layers loads its first layers only")
+    p.add_argument("--prompt-ids", default=None, metavar="IDS", help="every request's prompt, as comma-separated token ids")
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="every request's prompt, encoded with the checkpoint's tokenizer.json (needs the tokenizers "
+                        "package); the generated tokens are decoded too")
     p.add_argument("--json", action="store_true", help="end with one JSON summary line")
     p.set_defaults(handler=run)
 
 
 def run(args) -> int:
+    _check_flags(args)
+    tokenizer = _tokenizer(args.checkpoint) if args.prompt is not None else None
+    if tokenizer is not None:
+        prompt_ids = tuple(tokenizer.encode(args.prompt).ids)
+    else:
+        prompt_ids = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     scenario = Scenario(
         mode=args.mode, draft_len=args.draft_len, chunk=args.chunk, attention_strategy=args.extend_strategy,
         page_size=args.page_size, shared_prefix=args.shared_prefix, dcp_size=args.dcp_size, tp_size=args.tp_size or args.dcp_size, batch=args.batch,
-        contexts=_lengths(args.context), steps=args.steps, seed=args.seed, layers=args.layers,
+        contexts=_lengths(args.context or DEFAULT_CONTEXT), steps=args.steps, seed=args.seed, layers=args.layers,
         interleave=args.interleave, pad_rows=args.pad_rows, kernels=args.kernels, block_size=args.block_size,
         device=args.device, timeout=args.timeout,
-        model=args.model or ("tiny-512" if args.kernels == "npu" else "tiny"),
+        model=Path(args.checkpoint).name if args.checkpoint else args.model or ("tiny-512" if args.kernels == "npu" else "tiny"),
         dtype=args.dtype or ("bfloat16" if args.kernels == "npu" else "float32"),
+        checkpoint=args.checkpoint, prompt_ids=prompt_ids,
     )
     if args.launch == "torchrun":
         result, rank = compare_torchrun(scenario)
@@ -78,8 +129,10 @@ def run(args) -> int:
             return _exit_code(result)
     else:
         result = compare(scenario)
+    if tokenizer is not None:
+        result["generated_text"] = [tokenizer.decode(ids) for ids in result["generated"]]
     console = Console(stderr=args.json)
-    table = Table(title=f"dcp-compile demo: {scenario.model}, {scenario.mode}, DCP {scenario.dcp_size} x TP "
+    table = Table(title=f"dcp-compile demo: {scenario.model_name}, {scenario.mode}, DCP {scenario.dcp_size} x TP "
                         f"{scenario.tp_size}, I={scenario.interleave}, kernels {scenario.kernels}, {scenario.dtype}")
     table.add_column("check")
     table.add_column("value", justify="right")
@@ -101,6 +154,9 @@ def run(args) -> int:
     table.add_row("attention strategy per batch", counts)
     table.add_row("last choice and why", result["last_strategy_reason"] or "-")
     table.add_row("wall time (s)", f"{result['seconds']:.1f}")
+    for request, ids in enumerate(result["generated"]):
+        shown = repr(result["generated_text"][request]) if tokenizer is not None else " ".join(map(str, ids))
+        table.add_row(f"request {request}: generated (DCP)", shown)
     console.print(table)
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "tokens"}))

@@ -1,5 +1,6 @@
 """`dcp-compile dump`: every pass's graph before and after, op counts and timing, for a model
-preset captured with shapes only (meta weights, fake process groups, nothing executed).
+preset, or a checkpoint folder's config (--checkpoint: its MoE layers too; no weight is read),
+captured with shapes only (meta weights, fake process groups, nothing executed).
 
 Writes into --out the same files as DCP_COMPILE_DUMP (dcp_compile/debug/dump.py), plus
 dump.json (what was captured, timings), index.html (--format html) or .dot/.svg files
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -20,13 +21,33 @@ from rich.table import Table
 from dcp_compile.config import KERNEL_BACKENDS
 from dcp_compile.debug import dump as text_dump
 from dcp_compile.debug.fake_capture import ATTENTION_STRATEGIES, DTYPES, MODES, GraphSpec, capture
-from dcp_compile.models.config import PRESETS
+from dcp_compile.models import hf_config
+from dcp_compile.models.config import PRESETS, MLAModelConfig
 from dcp_compile.passes.manager import PASS_NAMES, PassManager, check_pass_names
 
 log = logging.getLogger("dcp_compile.cli.dump")
 
 FORMATS = ("text", "html", "svg")
 MLA_OP = "dcp::mla_attention"
+
+
+@dataclass(frozen=True)
+class CheckpointGraphSpec(GraphSpec):
+    """A GraphSpec whose model is a checkpoint folder's config.json (`model` is its name)."""
+
+    checkpoint: str = ""
+
+    def model_config(self) -> MLAModelConfig:
+        ckpt = hf_config.read_config(self.checkpoint)
+        cfg = ckpt.model
+        if self.num_heads is not None:
+            raise ValueError("--num-heads cannot be overridden for a checkpoint")
+        if self.layers is not None:
+            if self.layers > cfg.num_layers:
+                raise ValueError(f"--layers {self.layers} exceeds the checkpoint's num_hidden_layers {cfg.num_layers}")
+            cfg = cfg.with_layers(self.layers)
+        hf_config.check_tp_size(ckpt, self.tp)
+        return cfg
 
 
 def register(sub) -> None:
@@ -36,6 +57,9 @@ def register(sub) -> None:
     )
     p.add_argument("--model", default=None,
                    help=f"model preset: {', '.join(PRESETS)} (default tiny; tiny-512 with --kernels npu)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="capture the model of this checkpoint folder's config.json (DeepSeek-V2/V3, Kimi-K2; MoE "
+                        "layers included) instead of a preset; no weight is read")
     p.add_argument("--layers", type=int, default=None, help="layer count, keeping the preset's pattern")
     p.add_argument("--dcp-size", type=int, default=2, help="DCP size N (default 2)")
     p.add_argument("--tp-size", type=int, default=None, help="TP size; heads are split over it (default: DCP size)")
@@ -72,7 +96,7 @@ def _check_names(only: str | None, disabled: list[str]) -> None:
 def _command(args) -> str:
     """The dump command that reproduces this run, every option spelled out."""
     parts = ["dcp-compile", "dump"]
-    for option in ("model", "layers", "dcp_size", "tp_size", "mode", "batch", "draft_len", "chunk", "context",
+    for option in ("checkpoint", "model", "layers", "dcp_size", "tp_size", "mode", "batch", "draft_len", "chunk", "context",
                    "interleave", "page_size", "dtype", "attention_strategy", "kernels", "block_size", "format", "only",
                    "out"):
         value = getattr(args, option)
@@ -107,12 +131,18 @@ def run(args) -> int:
     fmt = args.format
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {list(FORMATS)}")
-    args.model = args.model or ("tiny-512" if args.kernels == "npu" else "tiny")
-    spec = GraphSpec(model=args.model, layers=args.layers, dcp_size=args.dcp_size, tp_size=args.tp_size,
-                     mode=args.mode, batch=args.batch, draft_len=args.draft_len, chunk=args.chunk,
-                     context=args.context, interleave=args.interleave, page_size=args.page_size, dtype=args.dtype,
-                     debug_checks=args.debug_checks, attention_strategy=args.attention_strategy, kernels=args.kernels,
-                     block_size=args.block_size)
+    fields = dict(layers=args.layers, dcp_size=args.dcp_size, tp_size=args.tp_size,
+                  mode=args.mode, batch=args.batch, draft_len=args.draft_len, chunk=args.chunk,
+                  context=args.context, interleave=args.interleave, page_size=args.page_size, dtype=args.dtype,
+                  debug_checks=args.debug_checks, attention_strategy=args.attention_strategy, kernels=args.kernels,
+                  block_size=args.block_size)
+    if args.checkpoint is not None:
+        if args.model is not None:
+            raise ValueError("--model and --checkpoint exclude each other: the checkpoint's config.json is the model")
+        spec = CheckpointGraphSpec(model=Path(args.checkpoint).name, checkpoint=args.checkpoint, **fields)
+    else:
+        args.model = args.model or ("tiny-512" if args.kernels == "npu" else "tiny")
+        spec = GraphSpec(model=args.model, **fields)
     _check_names(args.only, args.disable)
     if fmt == "svg":
         from dcp_compile.debug.svg import require_dot

@@ -1,13 +1,61 @@
 """Model shapes: a tiny test model and the real shapes of DeepSeek-V3, Kimi-K2 and Kimi-Linear.
 
 The real presets follow the public configs; their MoE blocks are replaced by a dense MLP of the
-dense layers' width, since DCP touches attention only. Weights are random.
+dense layers' width, since DCP touches attention only. Weights are random. A config read from a
+checkpoint (dcp_compile.models.hf_config) also carries the MoE blocks and the rope scaling.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling (DeepSeek-V2/V3, Kimi-K2), with transformers' defaults and meaning."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    """Scales the rope part's cos/sin (with mscale_all_dim); 0 means unset."""
+    mscale_all_dim: float = 0.0
+    """Scales the softmax scale by yarn_mscale(factor, mscale_all_dim)^2; 0 means unset."""
+    attention_factor: float | None = None
+    """The cos/sin scale itself, where the config gives it; None derives it from the mscales."""
+    truncate: bool = True
+    """Round the correction range outwards to whole dimensions (DeepSeek's code does)."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek-style MoE blocks: routed experts with a top-k gate, plus shared experts."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "greedy"
+    """greedy, group_limited_greedy (DeepSeek-V2) or noaux_tc (DeepSeek-V3: scores plus a
+    correction bias choose the experts, the scores alone weight them)."""
+    scoring_func: str = "softmax"
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    """Layers before this one have a dense MLP."""
+    moe_layer_freq: int = 1
+    """From first_k_dense_replace on, every moe_layer_freq-th layer is MoE (by layer index)."""
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.n_shared_experts
 
 
 @dataclass(frozen=True)
@@ -26,6 +74,12 @@ class MLAModelConfig:
     linear_head_dim: int = 16
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    latent_norm_eps: float = 1e-6
+    """eps of the q_a and kv_a norms: DeepSeek's code leaves them at 1e-6 whatever rms_norm_eps is."""
+    rope_scaling: YarnScaling | None = None
+    moe: MoEConfig | None = None
+    """None: every layer has a dense MLP of intermediate_size."""
+    tie_word_embeddings: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -38,6 +92,18 @@ class MLAModelConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        moe = self.moe
+        return moe is not None and index >= moe.first_k_dense_replace and index % moe.moe_layer_freq == 0
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return not all(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def has_moe_layers(self) -> bool:
+        return any(self.is_moe_layer(i) for i in range(self.num_layers))
 
     def with_layers(self, num_layers: int) -> "MLAModelConfig":
         """The same shapes with `num_layers` layers, keeping the preset's layer pattern."""
@@ -94,7 +160,11 @@ def preset(name: str) -> MLAModelConfig:
 
 def allowed_tp_sizes(cfg: MLAModelConfig) -> list[int]:
     """TP sizes that split every head-parallel dimension of the model evenly."""
-    widths = [cfg.num_heads, cfg.intermediate_size]
+    widths = [cfg.num_heads]
+    if cfg.has_dense_layers:
+        widths.append(cfg.intermediate_size)
+    if cfg.has_moe_layers:
+        widths.append(cfg.moe.moe_intermediate_size)
     if "linear" in cfg.layer_types:
         widths.append(cfg.hidden_size // cfg.linear_head_dim)
     return [t for t in range(1, cfg.num_heads + 1) if all(w % t == 0 for w in widths)]

@@ -1,8 +1,10 @@
 """Reference DeepSeek-V3 / Kimi style decoder whose MLA attention uses the canonical ops.
 
 TP: q/kv_b are column-parallel over heads, o_proj is row-parallel with an all-reduce, and the
-MLP is column/row parallel. kv_a (the latent) is replicated. Weights are generated from the seed
-for the full model and sliced per TP rank, so every TP/DCP layout computes the same function.
+MLP (and each MoE expert) is column/row parallel. kv_a (the latent) is replicated. Weights come
+from a weight source: WeightFactory generates them from the seed for the full model and slices
+them per TP rank, so every TP/DCP layout computes the same function; a checkpoint's source
+(dcp_compile.models.pretrained) reads each rank's slices from the files.
 """
 
 from __future__ import annotations
@@ -15,27 +17,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from dcp_compile import ops
+from dcp_compile.models import rope
 from dcp_compile.models.config import MLAModelConfig
+from dcp_compile.models.functional import all_reduce
+from dcp_compile.models.functional import swiglu
 from dcp_compile.models.linear_attention import linear_attention
+from dcp_compile.models.moe import MoE
 from dcp_compile.runtime.kv_pool import MLAKVPool, check_cache_dtype
 from dcp_compile.runtime.parallel import ParallelState
 
 
-def _all_reduce(x: torch.Tensor, group_name: str | None) -> torch.Tensor:
-    if group_name is None:
-        return x
-    reduced = torch.ops._c10d_functional.all_reduce(x, "sum", group_name)
-    return torch.ops._c10d_functional.wait_tensor(reduced)
-
-
 class WeightFactory:
     """Deterministic full-size weights, sliced for one TP rank. On the meta device only shapes
-    are made (graph dumps and pass benchmarks of full-size models allocate nothing)."""
+    are made (graph dumps and pass benchmarks of full-size models allocate nothing).
+
+    The weight-source interface the model is built from: make() for a (sliced) matrix named
+    `name` of full shape `shape`, norm() for a norm's weight. `dtype` overrides the model dtype
+    (MoE routers stay in fp32)."""
 
     def __init__(self, seed: int, device, dtype):
         self.seed, self.device, self.dtype = seed, device, dtype
 
-    def make(self, name: str, shape, fan_in: int, shard_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1):
+    def make(self, name: str, shape, fan_in: int, shard_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1,
+             dtype: torch.dtype | None = None):
         if self.device.type == "meta":
             full = torch.empty(*shape, device="meta")
         else:
@@ -45,13 +49,16 @@ class WeightFactory:
             full = torch.randn(*shape, generator=gen, device=self.device) / math.sqrt(fan_in)
         if shard_dim is not None:
             full = full.chunk(tp_size, dim=shard_dim)[tp_rank]
-        return nn.Parameter(full.to(device=self.device, dtype=self.dtype).contiguous(), requires_grad=False)
+        return nn.Parameter(full.to(device=self.device, dtype=dtype or self.dtype).contiguous(), requires_grad=False)
+
+    def norm(self, name: str, dim: int):
+        return nn.Parameter(torch.ones(dim, device=self.device, dtype=self.dtype), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device, dtype):
+    def __init__(self, weight: nn.Parameter, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype), requires_grad=False)
+        self.weight = weight
         self.eps = eps
 
     def forward(self, x):
@@ -59,13 +66,15 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half rope on the last dim of x [T, ..., P] at `positions` [T]."""
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Rotate-half rope on the last dim of x [T, ..., P] at `positions` [T]; cos and sin are
+    multiplied by `scale` (YaRN's attention factor)."""
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
     angles = positions.float()[:, None] * inv_freq[None, :]
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     cos, sin = angles.cos().view(shape), angles.sin().view(shape)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -79,17 +88,19 @@ class MLAAttention(nn.Module):
         self.cfg, self.mla_index, self.pool = cfg, mla_index, pool
         self.heads = cfg.num_heads // par.tp_size
         self.tp_group_name = par.tp_group_name
-        self.sm_scale = cfg.qk_head_dim ** -0.5
+        self.sm_scale = rope.softmax_scale(cfg)
+        self.rope_scale = rope.attention_factor(cfg)
+        self.register_buffer("rope_inv_freq", rope.inverse_frequencies(cfg, weights.device), persistent=False)
         tp = dict(tp_rank=par.tp_rank, tp_size=par.tp_size)
         H, D, R, P = cfg.num_heads, cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         if cfg.q_lora_rank:
             self.q_a = weights.make(f"{prefix}.q_a", (cfg.q_lora_rank, cfg.hidden_size), cfg.hidden_size)
-            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, weights.device, weights.dtype)
+            self.q_a_norm = RMSNorm(weights.norm(f"{prefix}.q_a_norm", cfg.q_lora_rank), cfg.latent_norm_eps)
             self.q_b = weights.make(f"{prefix}.q_b", (H * D, cfg.q_lora_rank), cfg.q_lora_rank, 0, **tp)
         else:
             self.q_proj = weights.make(f"{prefix}.q_proj", (H * D, cfg.hidden_size), cfg.hidden_size, 0, **tp)
         self.kv_a = weights.make(f"{prefix}.kv_a", (R + P, cfg.hidden_size), cfg.hidden_size)
-        self.kv_a_norm = RMSNorm(R, cfg.rms_norm_eps, weights.device, weights.dtype)
+        self.kv_a_norm = RMSNorm(weights.norm(f"{prefix}.kv_a_norm", R), cfg.latent_norm_eps)
         self.w_uk = weights.make(f"{prefix}.w_uk", (H, cfg.qk_nope_head_dim, R), cfg.qk_nope_head_dim, 0, **tp)
         self.w_uv = weights.make(f"{prefix}.w_uv", (H, R, cfg.v_head_dim), R, 0, **tp)
         self.o_proj = weights.make(f"{prefix}.o_proj", (cfg.hidden_size, H * cfg.v_head_dim), H * cfg.v_head_dim, 1, **tp)
@@ -102,10 +113,10 @@ class MLAAttention(nn.Module):
             q = F.linear(x, self.q_proj)
         q = q.view(T, self.heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q_rope = apply_rope(q_rope, positions, cfg.rope_theta)
+        q_rope = apply_rope(q_rope, positions, self.rope_inv_freq, self.rope_scale)
         kv = F.linear(x, self.kv_a)
         latent = self.kv_a_norm(kv[:, : cfg.kv_lora_rank])
-        k_rope = apply_rope(kv[:, cfg.kv_lora_rank :], positions, cfg.rope_theta)
+        k_rope = apply_rope(kv[:, cfg.kv_lora_rank :], positions, self.rope_inv_freq, self.rope_scale)
         q_latent = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)
 
         cache = self.pool.cache(self.mla_index)
@@ -113,7 +124,7 @@ class MLAAttention(nn.Module):
         o_latent = ops.mla_attention(q_latent, q_rope.contiguous(), cache, req_to_token, seq_lens, q_seq_ids, positions, self.sm_scale)
 
         o = torch.einsum("thr,hrv->thv", o_latent, self.w_uv).reshape(T, -1)
-        return _all_reduce(F.linear(o, self.o_proj), self.tp_group_name)
+        return all_reduce(F.linear(o, self.o_proj), self.tp_group_name)
 
 
 class LinearAttentionLayer(nn.Module):
@@ -137,7 +148,7 @@ class LinearAttentionLayer(nn.Module):
     def forward(self, x, q_seq_ids, state_slots):
         q, k, v = (F.linear(x, w).view(x.shape[0], self.heads, self.head_dim) for w in self.qkv)
         o = linear_attention(q, F.normalize(k, dim=-1), v, self.state, q_seq_ids, state_slots, 0.9)
-        return _all_reduce(F.linear(o.reshape(x.shape[0], -1), self.o_proj), self.tp_group_name)
+        return all_reduce(F.linear(o.reshape(x.shape[0], -1), self.o_proj), self.tp_group_name)
 
 
 class MLP(nn.Module):
@@ -153,7 +164,7 @@ class MLP(nn.Module):
         self.tp_group_name = par.tp_group_name
 
     def forward(self, x):
-        return _all_reduce(F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down), self.tp_group_name)
+        return all_reduce(swiglu(x, self.gate, self.up, self.down), self.tp_group_name)
 
 
 class DecoderLayer(nn.Module):
@@ -161,15 +172,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         prefix = f"layers.{index}"
         self.kind = cfg.layer_types[index]
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weights.device, weights.dtype)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weights.device, weights.dtype)
+        self.input_norm = RMSNorm(weights.norm(f"{prefix}.input_norm", cfg.hidden_size), cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(weights.norm(f"{prefix}.post_norm", cfg.hidden_size), cfg.rms_norm_eps)
         if self.kind == "mla":
             self.attn = MLAAttention(cfg, f"{prefix}.attn", mla_index, pool, par, weights)
         elif self.kind == "linear":
             self.attn = LinearAttentionLayer(cfg, f"{prefix}.attn", max_requests, par, weights)
         else:
             raise ValueError(f"unknown layer type {self.kind!r}; expected 'mla' or 'linear'")
-        self.mlp = MLP(cfg, f"{prefix}.mlp", par, weights)
+        if cfg.is_moe_layer(index):
+            self.mlp = MoE(cfg, f"{prefix}.mlp", par, weights)
+        else:
+            self.mlp = MLP(cfg, f"{prefix}.mlp", par, weights)
 
     def forward(self, h, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots):
         x = self.input_norm(h)
@@ -185,20 +199,25 @@ class MLAModel(nn.Module):
 
     def __init__(self, cfg: MLAModelConfig, kv_capacity: int, max_requests: int = 16,
                  par: ParallelState | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0, page_size: int = 1):
+                 device: torch.device | str = "cpu", seed: int = 0, page_size: int = 1, weights=None):
+        """weights: the weight source (default: WeightFactory(seed, device, dtype), random
+        weights); dcp_compile.models.load_pretrained passes a checkpoint's."""
         super().__init__()
         check_cache_dtype(dtype)
         par = par or ParallelState()
         self.cfg, self.parallel = cfg, par
-        weights = WeightFactory(seed, torch.device(device), dtype)
+        weights = weights or WeightFactory(seed, torch.device(device), dtype)
         self.kv_pool = MLAKVPool(cfg.num_mla_layers, kv_capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device, page_size) if cfg.num_mla_layers else None
         self.embed = weights.make("embed", (cfg.vocab_size, cfg.hidden_size), 1)
         mla_indices = [sum(t == "mla" for t in cfg.layer_types[:i]) for i in range(cfg.num_layers)]
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, mla_indices[i], self.kv_pool, max_requests, par, weights) for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weights.device, dtype)
-        self.lm_head = weights.make("lm_head", (cfg.vocab_size, cfg.hidden_size), cfg.hidden_size)
+        self.norm = RMSNorm(weights.norm("norm", cfg.hidden_size), cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = weights.make("lm_head", (cfg.vocab_size, cfg.hidden_size), cfg.hidden_size)
 
     @property
     def num_local_heads(self) -> int:

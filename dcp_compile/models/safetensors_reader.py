@@ -1,0 +1,127 @@
+"""Read slices of a checkpoint's tensors from its safetensors files.
+
+A folder holds model.safetensors.index.json and the shards it names, or one model.safetensors.
+Each read asks `safe_open(...).get_slice` for one block of rows or columns, so a TP rank reads its
+own share of a tensor and never the whole of it. Float8 (e4m3) weights are dequantized on read
+with their `<name>_scale_inv` (one fp32 scale per block of the configured shape, the last block
+of a dimension partial): weight = float8 value x scale, as DeepSeek's weight_dequant.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+FP8_BLOCK = (128, 128)
+"""DeepSeek-V3's and Kimi-K2's block shape, where a config's quantization_config leaves it out."""
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+
+
+def _safe_open():
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise ImportError("loading a checkpoint needs the safetensors package: pip install safetensors "
+                          "(or pip install 'dcp_compile[checkpoints]')") from None
+    return safe_open
+
+
+class SafetensorsReader:
+    """Slices of named tensors; use as a context manager (it keeps each file open while loading)."""
+
+    def __init__(self, folder: str | Path, fp8_block: tuple[int, int] | None = None):
+        self.folder = Path(folder)
+        self.fp8_block = fp8_block or FP8_BLOCK
+        self._safe_open = _safe_open()
+        self._files: dict[str, object] = {}
+        self._stack = ExitStack()
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            self.source = INDEX_FILE
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map): {exc}") from None
+            self.weight_map = dict(weight_map)
+            by_file: dict[str, list[str]] = {}
+            for name, file in self.weight_map.items():
+                by_file.setdefault(file, []).append(name)
+            for file, names in sorted(by_file.items()):
+                if not (self.folder / file).is_file():
+                    raise ValueError(f"checkpoint shard {self.folder / file} is missing: {INDEX_FILE} lists it for "
+                                     f"{len(names)} tensors (e.g. {names[0]})")
+        elif (self.folder / SINGLE_FILE).is_file():
+            self.source = SINGLE_FILE
+            self.weight_map = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}
+        else:
+            raise ValueError(f"{self.folder} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+        self._files.clear()
+
+    def _open(self, file: str):
+        if file not in self._files:
+            self._files[file] = self._stack.enter_context(self._safe_open(str(self.folder / file), framework="pt"))
+        return self._files[file]
+
+    def _slice(self, name: str):
+        if name not in self.weight_map:
+            raise ValueError(f"tensor {name} is not in the checkpoint ({self.folder / self.source})")
+        file = self.weight_map[name]
+        return self._open(file).get_slice(name), file
+
+    def read(self, name: str, shape: tuple[int, ...], dim: int | None = None, start: int = 0,
+             stop: int | None = None) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of tensor `name`, whose full shape must
+        be `shape`; the whole tensor where dim is None. Float8 weights come back dequantized in
+        fp32, others in their stored dtype."""
+        tensor_slice, file = self._slice(name)
+        stored = tuple(tensor_slice.get_shape())
+        if stored != tuple(shape):
+            raise ValueError(f"tensor {name} in {self.folder / file} has shape {list(stored)}; the config "
+                             f"({self.folder / 'config.json'}) gives {list(shape)}")
+        index = self._index(len(shape), dim, start, stop)
+        dtype = tensor_slice.get_dtype()
+        if dtype == "F8_E4M3":
+            return self._dequantize(name, file, tensor_slice[index], shape, dim, start, stop)
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"tensor {name} in {self.folder / file} is {dtype}; supported: {', '.join(FLOAT_DTYPES)} "
+                             "and F8_E4M3 with a weight_scale_inv")
+        return tensor_slice[index]
+
+    @staticmethod
+    def _index(ndim: int, dim: int | None, start: int, stop: int | None) -> tuple[slice, ...]:
+        index = [slice(None)] * ndim
+        if dim is not None:
+            index[dim] = slice(start, stop)
+        return tuple(index)
+
+    def _dequantize(self, name, file, values, shape, dim, start, stop) -> torch.Tensor:
+        if len(shape) != 2:
+            raise ValueError(f"tensor {name} in {self.folder / file} is float8 with {len(shape)} dims; block "
+                             "quantization covers matrices")
+        scale_name = f"{name}_scale_inv"
+        if scale_name not in self.weight_map:
+            raise ValueError(f"tensor {name} in {self.folder / file} is float8 but the checkpoint has no {scale_name}")
+        blocks = tuple(math.ceil(n / b) for n, b in zip(shape, self.fp8_block))
+        stop = shape[dim] if dim is not None and stop is None else stop
+        first_block = start // self.fp8_block[dim] if dim is not None else 0
+        scale_stop = math.ceil(stop / self.fp8_block[dim]) if dim is not None else None
+        scales = self.read(scale_name, blocks, dim, first_block, scale_stop).float()
+        for axis, block in enumerate(self.fp8_block):
+            scales = scales.repeat_interleave(block, dim=axis)
+        offset = first_block * self.fp8_block[dim] if dim is not None else 0
+        rows = [slice(0, values.shape[0]), slice(0, values.shape[1])]
+        if dim is not None:
+            rows[dim] = slice(start - offset, stop - offset)
+        return values.float() * scales[tuple(rows)]
