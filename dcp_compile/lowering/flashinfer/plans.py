@@ -183,7 +183,7 @@ def check_plan(q_latent: torch.Tensor, req_to_token: torch.Tensor, seq_lens: tor
     host = plan.planned_host
     if host is None:
         raise RuntimeError("this graph's FlashInfer attention ran before it was planned")
-    reference.check_host_metadata(host.block_table, req_to_token, seq_lens, q_seq_ids, q_positions, dcp_rank, dcp_size,
+    reference.check_host_metadata(host.block_table.to(req_to_token.device), req_to_token, seq_lens, q_seq_ids, q_positions, dcp_rank, dcp_size,
                                   interleave, plan.spec.block_size, host.local_seq_lens, host.local_prefix_lens,
                                   host.cumulative_query_lens)
     return q_latent.clone()
