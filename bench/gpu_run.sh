@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, each under its own time limit.
-# Usage: bench/gpu_run.sh OUT_DIR [tests|kernels|decode]...   (default: all three)
+# Usage: bench/gpu_run.sh OUT_DIR [tests|kernels|decode|lowerings|dcp-step]...   (default: tests kernels decode)
+# FlashInfer travels as wheels (../shared/GPU.md): put them in WHEELS (default .whl) to install them here.
 set -u
 out=${1:?usage: bench/gpu_run.sh OUT_DIR [parts]}; shift
 parts=${*:-tests kernels decode}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+wheels=${WHEELS:-.whl}
+if ls "$wheels"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset TRITON_INTERPRET
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 for part in $parts; do
   case $part in
-    tests) timeout "${TESTS_S:-240}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25 ;;
+    tests) timeout "${TESTS_S:-240}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider ${TESTS_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -25 ;;
     kernels) timeout "${KERNELS_S:-240}" python3 bench/kernels.py --out "$out/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$out/kernels.log" | tail -40 ;;
     decode) timeout "${DECODE_S:-300}" torchrun --nproc-per-node 2 bench/decode.py --out "$out/decode.json" --plot "$out/decode.png" ${DECODE_ARGS:-} 2>&1 | tee "$out/decode.log" | grep -v "^W1" | tail -60 ;;
+    lowerings) timeout "${LOWERINGS_S:-300}" python3 bench/lowerings.py --out "$out/lowerings.json" ${LOWERINGS_ARGS:-} 2>&1 | tee "$out/lowerings.log" | tail -70 ;;
+    dcp-step) timeout "${DCP_STEP_S:-420}" torchrun --nproc-per-node 2 bench/dcp_step.py --out "$out/dcp_step.json" ${DCP_STEP_ARGS:-} 2>&1 | tee "$out/dcp_step.log" | grep -v "^W1" | tail -60 ;;
   esac
 done
