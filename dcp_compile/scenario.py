@@ -206,7 +206,8 @@ class Scenario:
         return cfg.with_layers(self.layers) if self.layers else cfg
 
 
-def _prompts(scenario: Scenario, vocab: int) -> list[list[int]]:
+def request_prompts(scenario: Scenario, vocab: int) -> list[list[int]]:
+    """Each request's prompt: the scenario's prompt_ids, or random ids of its context lengths."""
     if scenario.prompt_ids is not None:
         return [list(scenario.prompt_ids) for _ in range(scenario.batch)]
     gen = torch.Generator().manual_seed(scenario.seed)
@@ -299,7 +300,7 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
     device = torch.device(scenario.device, rank) if scenario.device != "cpu" else torch.device("cpu")
     cfg = scenario.model_config()
     tp = parallel.build(scenario.tp_size, 1)
-    prompts = _prompts(scenario, cfg.vocab_size)
+    prompts = request_prompts(scenario, cfg.vocab_size)
 
     def make(dcp_size: int):
         common = dict(kv_capacity=scenario.kv_rows, max_requests=scenario.batch, par=tp, device=device,

@@ -165,10 +165,9 @@ def _rope(fields: _Fields) -> tuple[float, YarnScaling | None]:
     original = params.get("original_max_position_embeddings") or max_positions
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
         raise fields.error(f"{name}.original_max_position_embeddings", f"must be an integer >= 1, got {original!r}")
-    factor = params.get("factor")
-    if factor is None:
-        factor = fields.number("max_position_embeddings", max_positions) / original
-    factor = fields.number(f"{name}.factor", factor)
+    if params.get("factor") is None:
+        raise fields.error(f"{name}.factor", "is missing (YaRN's scaling factor)")
+    factor = fields.number(f"{name}.factor", params["factor"])
     if factor < 1:
         raise fields.error(f"{name}.factor", f"must be >= 1, got {factor}")
 

@@ -1,8 +1,8 @@
 """Read slices of a checkpoint's tensors from its safetensors files.
 
 A folder holds model.safetensors.index.json and the shards it names, or one model.safetensors.
-Each read asks `safe_open(...).get_slice` for one block of rows or columns, so a TP rank reads its
-own share of a tensor and never the whole of it. Float8 (e4m3) weights are dequantized on read
+Each read asks `safe_open(...).get_slice` for one block of rows or columns and copies just that
+block, so a TP rank allocates its own share of a tensor and never the whole of it. Float8 (e4m3) weights are dequantized on read
 with their `<name>_scale_inv` (one fp32 scale per block of the configured shape, the last block
 of a dimension partial): weight = float8 value x scale, as DeepSeek's weight_dequant.
 """
@@ -97,7 +97,9 @@ class SafetensorsReader:
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"tensor {name} in {self.folder / file} is {dtype}; supported: {', '.join(FLOAT_DTYPES)} "
                              "and F8_E4M3 with a weight_scale_inv")
-        return tensor_slice[index]
+        # A slice is a view of the file's mapping: copy it, so that the model owns its weights
+        # and keeps no checkpoint file mapped.
+        return tensor_slice[index].clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def _index(ndim: int, dim: int | None, start: int, stop: int | None) -> tuple[slice, ...]:

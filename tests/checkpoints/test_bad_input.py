@@ -1,0 +1,134 @@
+"""Bad checkpoints and bad sizes: each a ValueError that names the file, tensor or field, raised
+before any weight is used (and, through the demo, before any rank starts)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from dcp_compile.cli.main import main
+from dcp_compile.models import load_pretrained
+from dcp_compile.models.hf_config import read_config
+from dcp_compile.runtime.parallel import ParallelState
+
+
+@pytest.fixture
+def copy_of_v3(v3, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(v3.folder, folder)
+    return folder
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_missing_shard_names_the_file(copy_of_v3):
+    index = json.loads((copy_of_v3 / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (copy_of_v3 / shard).unlink()
+    with pytest.raises(ValueError, match=f"checkpoint shard .*{shard} is missing: model.safetensors.index.json lists it"):
+        load_pretrained(copy_of_v3, kv_capacity=64)
+
+
+def test_tensor_with_a_wrong_shape_names_tensor_and_file(copy_of_v3):
+    index = json.loads((copy_of_v3 / "model.safetensors.index.json").read_text())
+    name = "model.layers.2.self_attn.kv_b_proj.weight"
+    shard = index["weight_map"][name]
+    tensors = load_file(copy_of_v3 / shard)
+    tensors[name] = tensors[name][:-1]
+    save_file(tensors, str(copy_of_v3 / shard))
+    with pytest.raises(ValueError, match=rf"tensor {name} in .*{shard} has shape \[223, 32\]; the config .* gives \[224, 32\]"):
+        load_pretrained(copy_of_v3, kv_capacity=64)
+
+
+def test_missing_tensor_names_tensor_and_index(copy_of_v3):
+    index_path = copy_of_v3 / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["model.layers.3.mlp.experts.5.up_proj.weight"]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"tensor model.layers.3.mlp.experts.5.up_proj.weight is not in the checkpoint "
+                                         r"\(.*model.safetensors.index.json\)"):
+        load_pretrained(copy_of_v3, kv_capacity=64)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(kv_lora_rank=None), "kv_lora_rank is missing: load_pretrained reads MLA"),
+    (dict(model_type="llama"), "model_type 'llama' is not supported; supported: deepseek_v3, kimi_k2, deepseek_v2"),
+    (dict(topk_method="aux_free"), "topk_method 'aux_free' is not supported"),
+    (dict(scoring_func="relu"), "scoring_func 'relu' is not supported"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (dict(qk_rope_head_dim=7), "qk_rope_head_dim must be even"),
+    (dict(v_head_dim=None), "v_head_dim is missing"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}), "rope_parameters.type 'llama3' is not supported"),
+    (dict(n_group=3), "n_group 3 does not divide n_routed_experts 16"),
+    (dict(num_experts_per_tok=17), "num_experts_per_tok 17 exceeds n_routed_experts 16"),
+    (dict(quantization_config={"quant_method": "gptq"}), "quantization_config.quant_method 'gptq' is not supported"),
+    (dict(attention_bias=True), "attention_bias true is not supported"),
+])
+def test_bad_config_names_the_field(copy_of_v3, changes, message):
+    edit_config(copy_of_v3, **changes)
+    with pytest.raises(ValueError, match=f"config.json: {message}"):
+        read_config(copy_of_v3)
+
+
+@pytest.mark.parametrize("changes, tp_size, message", [
+    ({}, 3, "num_attention_heads 8 does not split over tp_size 3"),
+    (dict(moe_intermediate_size=20), 8, "moe_intermediate_size 20 does not split over tp_size 8"),
+    (dict(intermediate_size=100), 8, "intermediate_size 100 does not split over tp_size 8"),
+])
+def test_tp_size_that_does_not_split_names_the_field(copy_of_v3, changes, tp_size, message):
+    edit_config(copy_of_v3, **changes)
+    with pytest.raises(ValueError, match=f"config.json: {message}; allowed tp sizes"):
+        load_pretrained(copy_of_v3, kv_capacity=64, par=ParallelState(tp_size=tp_size))
+
+
+def test_no_weights_and_no_config(tmp_path, copy_of_v3):
+    with pytest.raises(ValueError, match="config.json is missing"):
+        load_pretrained(tmp_path, kv_capacity=64)
+    for file in copy_of_v3.glob("*.safetensors*"):
+        file.unlink()
+    with pytest.raises(ValueError, match="has neither model.safetensors.index.json nor model.safetensors"):
+        load_pretrained(copy_of_v3, kv_capacity=64)
+    with pytest.raises(ValueError, match=r"num_layers must be in \[1, 4\]"):
+        load_pretrained(copy_of_v3, kv_capacity=64, num_layers=5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp-size", "3"], "num_attention_heads 8 does not split over tp_size 3"),
+    (["--layers", "5"], "layers 5 exceeds the checkpoint's num_hidden_layers 4"),
+    (["--model", "tiny"], "--model and --checkpoint exclude each other"),
+    (["--prompt-ids", "5,x"], "--prompt-ids takes a comma list of token ids"),
+    (["--prompt-ids", "5,256"], r"prompt ids must be a non-empty list of token ids in [0, 256)"),
+    (["--prompt-ids", "5", "--prompt", "hi"], "--prompt and --prompt-ids exclude each other"),
+    (["--prompt-ids", "5", "--context", "3"], "--context sets random prompts' lengths"),
+    (["--prompt", "hi"], "--prompt needs --checkpoint DIR with a tokenizer.json"),
+])
+def test_bad_demo_input_with_a_checkpoint_is_one_line_and_exit_2_before_any_rank(
+        v3, args, message, capsys, monkeypatch):
+    from dcp_compile import scenario
+
+    monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    assert main(["demo", "--checkpoint", str(v3.folder), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_demo_refuses_a_checkpoint_with_a_missing_shard_before_any_rank(copy_of_v3, capsys, monkeypatch):
+    from dcp_compile import scenario
+
+    index = json.loads((copy_of_v3 / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    (copy_of_v3 / shard).unlink()
+    monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    assert main(["demo", "--checkpoint", str(copy_of_v3)]) == 2
+    assert f"{shard} is missing" in capsys.readouterr().err
