@@ -81,8 +81,10 @@ class _Fields:
             raise self.error(field, f"must be a {'positive ' if positive else ''}number, got {value!r}")
         return float(value)
 
-    def flag(self, field: str) -> bool:
+    def flag(self, field: str, null_is_false: bool = False) -> bool:
         value = self.get(field)
+        if value is None and null_is_false:  # transformers tests these fields for truth
+            return False
         if not isinstance(value, bool):
             raise self.error(field, f"must be true or false, got {value!r}")
         return value
@@ -141,7 +143,7 @@ def read_config(folder: str | Path) -> CheckpointConfig:
         moe=_moe(fields),
         tie_word_embeddings=fields.flag("tie_word_embeddings"),
     )
-    interleaved = True if model_type == "deepseek_v2" else fields.flag("rope_interleave")
+    interleaved = True if model_type == "deepseek_v2" else fields.flag("rope_interleave", null_is_false=True)
     return CheckpointConfig(folder, model_type, model, interleaved, _fp8_block(fields))
 
 
@@ -203,7 +205,7 @@ def _moe(fields: _Fields) -> MoEConfig | None:
         topk_group=fields.integer("topk_group", optional=True) or 1,
         topk_method=fields.choice("topk_method", TOPK_METHODS),
         scoring_func=fields.choice("scoring_func", SCORING_FUNCS),
-        norm_topk_prob=fields.flag("norm_topk_prob"),
+        norm_topk_prob=fields.flag("norm_topk_prob", null_is_false=True),
         routed_scaling_factor=fields.number("routed_scaling_factor"),
         first_k_dense_replace=fields.integer("first_k_dense_replace", minimum=0),
         moe_layer_freq=fields.integer("moe_layer_freq"),

@@ -19,8 +19,7 @@ from torch import nn
 from dcp_compile import ops
 from dcp_compile.models import rope
 from dcp_compile.models.config import MLAModelConfig
-from dcp_compile.models.functional import all_reduce
-from dcp_compile.models.functional import swiglu
+from dcp_compile.models.functional import all_reduce, swiglu
 from dcp_compile.models.linear_attention import linear_attention
 from dcp_compile.models.moe import MoE
 from dcp_compile.runtime.kv_pool import MLAKVPool, check_cache_dtype

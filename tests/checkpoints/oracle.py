@@ -50,7 +50,8 @@ CONFIGS = {
 }
 
 
-def transformers_model(model_type: str, seed: int = 0):
+def transformers_model(model_type: str, seed: int = 0, **changes):
+    """A randomised tiny model of CONFIGS[model_type], with `changes` to its config."""
     import transformers
 
     config_class, model_class = {
@@ -58,7 +59,7 @@ def transformers_model(model_type: str, seed: int = 0):
         "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     }[model_type]
     torch.manual_seed(seed)
-    model = model_class(config_class(**CONFIGS[model_type]))
+    model = model_class(config_class(**dict(CONFIGS[model_type], **changes)))
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 1)
         for name, param in model.named_parameters():
@@ -72,9 +73,9 @@ def transformers_model(model_type: str, seed: int = 0):
     return model.eval()
 
 
-def write_checkpoint(model_type: str, folder: Path, seed: int = 0):
+def write_checkpoint(model_type: str, folder: Path, seed: int = 0, **changes):
     """Save a tiny model in shards of at most 64 KB; returns the transformers model."""
-    model = transformers_model(model_type, seed)
+    model = transformers_model(model_type, seed, **changes)
     model.save_pretrained(folder, max_shard_size="64KB")
     return model
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from dcp_compile.models import rope
 from dcp_compile.models.config import MoEConfig
 from dcp_compile.models.hf_config import read_config
+from dcp_compile.models.mla import MLAModel
 from dcp_compile.models.moe import routing_weights
 from tests.checkpoints import oracle
 
@@ -111,3 +112,17 @@ def test_norm_topk_prob_normalises_where_deepseek_v2s_code_does():
 def _moe_config(model_type: str) -> MoEConfig:
     settings = oracle.CONFIGS[model_type]
     return MoEConfig(**{f.name: settings[f.name] for f in dataclasses.fields(MoEConfig) if f.name in settings})
+
+
+@pytest.mark.parametrize("changes, kinds", [
+    (dict(first_k_dense_replace=1, moe_layer_freq=2), ["MLP", "MLP", "MoE", "MLP", "MoE"]),
+    (dict(first_k_dense_replace=0, moe_layer_freq=1), ["MoE"] * 5),
+    (dict(n_routed_experts=None), ["MLP"] * 5),
+])
+def test_which_layers_are_moe(tmp_path, changes, kinds):
+    """DeepSeek's rule: layer i is MoE where n_routed_experts is set, i >= first_k_dense_replace and
+    i % moe_layer_freq == 0 (transformers' classes ignore moe_layer_freq; every release sets 1)."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(RELEASED_STYLE, num_hidden_layers=5, **changes)))
+    cfg = read_config(tmp_path).model
+    model = MLAModel(cfg, kv_capacity=16, device="meta")
+    assert [type(layer.mlp).__name__ for layer in model.layers] == kinds

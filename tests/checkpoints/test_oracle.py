@@ -6,6 +6,10 @@ checkpoints; the tests below read their results."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from dataclasses import dataclass
+
 import pytest
 
 from dcp_compile.models import load_pretrained
@@ -29,6 +33,44 @@ def test_tp1_matches_transformers(references, model_type):
     assert_matches(oracle.greedy(model, reference.prompts), reference, f"{model_type} TP 1")
     assert model.cfg.has_dense_layers and model.cfg.has_moe_layers
     assert [type(layer.mlp).__name__ for layer in model.layers] == ["MLP", "MoE", "MoE", "MoE"]
+
+
+VARIANTS = {
+    # transformers saves no lm_head: the head is the embedding
+    "tied-embeddings": ("deepseek_v2", dict(tie_word_embeddings=True)),
+    # rope dims stored in rotate-half order: nothing to permute
+    "rope-not-interleaved": ("deepseek_v3", dict(rope_interleave=False)),
+    # Moonlight's shape: V3 without q-LoRA and without rope scaling, one expert group
+    "moonlight-like": ("deepseek_v3", dict(q_lora_rank=None, rope_scaling=None, n_group=1, topk_group=1)),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_config_variants_match_transformers(tmp_path, variant):
+    model_type, changes = VARIANTS[variant]
+    model = oracle.write_checkpoint(model_type, tmp_path, seed=2, num_hidden_layers=2, **changes)
+    prompts = oracle.prompts()
+    tokens, logits = oracle.transformers_greedy(model, prompts, steps=4)
+    loaded = load_pretrained(tmp_path, kv_capacity=512)
+    assert_matches(oracle.greedy(loaded, prompts, steps=4), _Run(tokens, logits), variant)
+    if changes.get("tie_word_embeddings"):
+        assert "lm_head.weight" not in (tmp_path / "model.safetensors.index.json").read_text()
+        assert loaded.lm_head is loaded.embed
+
+
+def test_kimi_k2_reads_as_deepseek_v3(v3, tmp_path):
+    """Kimi-K2's model_type is kimi_k2, its architecture DeepSeek-V3's (transformers has no kimi_k2 type)."""
+    folder = tmp_path / "kimi"
+    shutil.copytree(v3.folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    assert_matches(oracle.greedy(load_pretrained(folder, kv_capacity=512), v3.prompts), v3, "kimi_k2")
+
+
+@dataclass
+class _Run:
+    tokens: list
+    logits: list
 
 
 def _spawn_tp(references, world_size: int, dcp_sizes: tuple[int, ...]) -> list[dict]:
