@@ -77,20 +77,24 @@ def page_size(dcp_size: int) -> int:
     return BLOCK * dcp_size
 
 
-def request_table(batch: int, context: int, dcp_size: int, device) -> torch.Tensor:
-    """Request b on whole pages: locations page + b*context ... (page-aligned, past location 0)."""
+def request_table(batch: int, context: int, dcp_size: int, device, width: int) -> torch.Tensor:
+    """Request b on whole pages: locations page + b*width ... (page-aligned, past location 0);
+    one table width for every context, so a context changes no graph shape."""
     page = page_size(dcp_size)
-    table = page + torch.arange(batch, device=device)[:, None] * context + torch.arange(context, device=device)
-    return table.to(torch.int32)
+    columns = torch.arange(width, device=device)
+    table = page + torch.arange(batch, device=device)[:, None] * width + columns
+    return torch.where(columns < context, table, 0).to(torch.int32)
 
 
-def host_metadata(batch: int, context: int, k: int, dcp_size: int) -> HostMetadata:
+def host_metadata(batch: int, context: int, k: int, dcp_size: int, width: int) -> HostMetadata:
     """RequestTable's host metadata for request_table's layout (interleave 1), in closed form:
-    location page + b*context + p lives on rank p % N; its local block is its page's id."""
+    location page + b*width + p lives on rank p % N; its local block is its page's id."""
     page = page_size(dcp_size)
-    width = block_table_width(context, page)
-    first_page = (page + torch.arange(batch)[:, None] * context) // page
-    tables = (first_page + torch.arange(width)[None, :]).to(torch.int32).expand(dcp_size, batch, width).contiguous()
+    blocks = block_table_width(width, page)
+    first_page = (page + torch.arange(batch)[:, None] * width) // page
+    used = torch.arange(blocks)[None, :] < -(-context // page)
+    tables = torch.where(used, first_page + torch.arange(blocks)[None, :], 0).to(torch.int32)
+    tables = tables.expand(dcp_size, batch, blocks).contiguous()
     local = tuple((sum(1 for _ in range(rank, context, dcp_size)),) * batch for rank in range(dcp_size))
     prefix = tuple((len(range(rank, context - k, dcp_size)),) * batch for rank in range(dcp_size))
     return HostMetadata(dcp_size, 1, page, (k,) * batch, local, prefix, tables)
@@ -128,11 +132,11 @@ def bench_layer(args, device, timer, tp) -> list[dict]:
 
                         def rand(*shape):
                             return torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
-                        table = request_table(batch, context, dcp_size, device)
+                        table = request_table(batch, context, dcp_size, device, max(args.contexts))
                         positions, q_seq_ids, out_loc = verify_inputs(batch, context, k, table)
                         inputs = (rand(tokens, 32, 512), rand(tokens, 32, 64), rand(tokens, 512), rand(tokens, 64), out_loc,
                                   table, torch.full((batch,), context, device=device), q_seq_ids, positions)
-                        slot.current = host_metadata(batch, context, k, dcp_size)
+                        slot.current = host_metadata(batch, context, k, dcp_size, max(args.contexts))
                         try:
                             timing = timer(lambda: step(*inputs))
                             seconds = slowest(timing["seconds"], device)
@@ -149,8 +153,8 @@ def bench_layer(args, device, timer, tp) -> list[dict]:
     return rows
 
 
-def stack_batch(batch: int, context: int, k: int, dcp_size: int, device) -> ForwardBatch:
-    table = request_table(batch, context, dcp_size, device)
+def stack_batch(batch: int, context: int, k: int, dcp_size: int, device, width: int) -> ForwardBatch:
+    table = request_table(batch, context, dcp_size, device, width)
     positions, q_seq_ids, out_loc = verify_inputs(batch, context, k, table)
     rows = torch.arange(batch, device=device)
     return ForwardBatch(input_ids=(q_seq_ids * 31 + positions) % 4096, positions=positions, q_seq_ids=q_seq_ids,
@@ -177,8 +181,9 @@ def bench_stack(args, device, tp, lowering: str = "flashinfer") -> list[dict]:
             for context in args.stack_contexts:
                 for batch in args.stack_batches:
                     for k in (1, args.draft):
-                        inputs = stack_batch(batch, context, k, dcp_size, device).args()
-                        slot.current = host_metadata(batch, context, k, dcp_size)
+                        width = max(args.stack_contexts)
+                        inputs = stack_batch(batch, context, k, dcp_size, device, width).args()
+                        slot.current = host_metadata(batch, context, k, dcp_size, width)
                         try:
                             timing = timer(lambda: step(*inputs))
                             seconds = slowest(timing["seconds"], device)
@@ -247,16 +252,24 @@ def main(argv=None) -> int:
         "targets": TARGETS,
     }
     timer = Timer(device, args.replays, repeats=4)
+
+    def save() -> None:  # after each part: a run cut short keeps what it measured
+        result["seconds"] = time.time() - started
+        if rank == 0:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
     if "layer" in args.parts:
         result["layer"] = bench_layer(args, device, timer, tp)
         result["layer_ratios"] = ratios(result["layer"])
+        save()
+        if rank == 0:
+            print_summary(result)
     if "stack" in args.parts:
         result["stack"] = bench_stack(args, device, tp)
         result["stack_ratios"] = ratios(result["stack"])
-    result["seconds"] = time.time() - started
+        save()
     if rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
         print_summary(result)
         print(f"\nwrote {args.out} in {result['seconds']:.0f} s")
     dist.destroy_process_group()
