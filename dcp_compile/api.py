@@ -411,7 +411,10 @@ def _check_flashinfer_lowering(pool: MLAKVPool, config: DCPConfig) -> None:
         reason = flashinfer.unsupported_reason(pool.device, pool.kv_lora_rank, pool.rope_dim, pool.dtype)
         if reason is not None:
             raise RuntimeError(f"kernels='flashinfer': {reason}")
-    flashinfer_block_size(PassConfig(dcp_size=config.dcp_size, interleave=config.interleave, page_size=pool.page_size))
+    block_size = flashinfer_block_size(PassConfig(dcp_size=config.dcp_size, interleave=config.interleave,
+                                                  page_size=pool.page_size))
+    if pool.device.type == "cuda":  # the nvcc build of its kernel here, not in the first step
+        flashinfer.warm_up(pool.device, pool.kv_lora_rank, pool.rope_dim, pool.dtype, block_size)
 
 
 def state(compiled: nn.Module) -> DCPState:

@@ -264,3 +264,8 @@ def test_unsupported_setups_say_why():
 def test_a_graph_run_without_host_metadata_is_a_clear_error():
     with pytest.raises(RuntimeError, match="host_metadata=batch.host"):
         fi_plans.plan_step([object()], None, 0)
+
+
+def test_warm_up_builds_once_per_shape():
+    assert flashinfer.warm_up(torch.device("cpu"), 16, 8, torch.float32, PAGE) > 0
+    assert flashinfer.warm_up(torch.device("cpu"), 16, 8, torch.float32, PAGE) == 0.0
