@@ -269,3 +269,12 @@ def test_a_graph_run_without_host_metadata_is_a_clear_error():
 def test_warm_up_builds_once_per_shape():
     assert flashinfer.warm_up(torch.device("cpu"), 16, 8, torch.float32, PAGE) > 0
     assert flashinfer.warm_up(torch.device("cpu"), 16, 8, torch.float32, PAGE) == 0.0
+
+
+def test_a_flashinfer_without_the_mla_wrapper_is_named(monkeypatch):
+    monkeypatch.setattr(flashinfer, "_module", lambda: SimpleNamespace())
+    reason = flashinfer.unsupported_reason(torch.device("cuda"))
+    assert "has no flashinfer.mla.BatchMLAPagedAttentionWrapper" in reason and ">= 0.7" in reason
+    with pytest.raises(RuntimeError, match="kernels='flashinfer': .*BatchMLAPagedAttentionWrapper"):
+        api._check_flashinfer_lowering(SimpleNamespace(device=torch.device("cuda"), kv_lora_rank=512, rope_dim=64,
+                                                       dtype=torch.bfloat16, page_size=16), dcp_compile.DCPConfig())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 
 import torch
 
@@ -41,7 +42,7 @@ def unsupported_reason(device: torch.device, kv_lora_rank: int | None = None, ro
         return f"flashinfer cannot be imported ({type(exc).__name__}: {exc}); install it with pip install 'dcp_compile[cuda]'"
     for name in ("BatchMLAPagedAttentionWrapper", "MLAPlanMetadata"):
         if not hasattr(module, name):
-            version = getattr(importlib.import_module("flashinfer"), "__version__", "?")
+            version = getattr(sys.modules.get("flashinfer"), "__version__", "?")
             return f"flashinfer {version} has no flashinfer.mla.{name} (dcp_compile needs flashinfer-python >= 0.7)"
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
