@@ -157,9 +157,9 @@ def is_quantized_weight(name: str, tensor: torch.Tensor) -> bool:
 
 
 def tp_ranks_worker(rank: int, world_size: int, folders: dict[str, str], prompt_list: list[list[int]],
-                    dcp_sizes: tuple[int, ...]) -> dict:
+                    dcp_sizes: dict[str, tuple[int, ...]]) -> dict:
     """One rank of a TP group of world_size: for each checkpoint, the eager TP model's greedy run,
-    then the same model under apply(dcp_size) for each dcp size (compiled, KV sharded)."""
+    then the same model under apply(dcp_size) for each of its dcp sizes (compiled, KV sharded)."""
     from dcp_compile import api
     from dcp_compile.models import load_pretrained
     from dcp_compile.runtime import parallel
@@ -168,7 +168,7 @@ def tp_ranks_worker(rank: int, world_size: int, folders: dict[str, str], prompt_
     runs = {}
     for model_type, folder in folders.items():
         runs[(model_type, "tp")] = _portable(greedy(load_pretrained(folder, kv_capacity=512, par=tp), prompt_list))
-        for dcp_size in dcp_sizes:
+        for dcp_size in dcp_sizes.get(model_type, ()):
             model = api.apply(load_pretrained(folder, kv_capacity=512, par=tp), dcp_size, debug_checks=True)
             runs[(model_type, f"dcp{dcp_size}")] = _portable(greedy(model, prompt_list, dcp_size=dcp_size))
     return runs
