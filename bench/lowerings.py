@@ -101,20 +101,6 @@ class Case:
                                 self.block_table.int().cpu())
 
 
-def eager_seconds(torch, fn, calls: int) -> float:
-    """Median of CUDA-event times around single eager calls."""
-    fn()
-    seconds = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        seconds.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(seconds)
-
-
 def triton_launcher(torch, cases, scale):
     from dcp_compile.lowering.triton import attention
 
@@ -255,7 +241,9 @@ def main(argv=None) -> int:
             case = Case(torch, pool_rows // PAGE, 32, min(smallest, 8192), 4, k, seed=9)
             from dcp_compile.lowering.torch import reference
 
-            seconds = eager_seconds(torch, lambda: reference.partial_attention(
+            from decode import median_call_seconds
+
+            seconds = median_call_seconds(lambda: reference.partial_attention(
                 case.q_latent, case.q_rope, POOL[0], case.page_table, case.seq_lens, case.positions, case.q_seq_ids,
                 case.q_positions, scale), 5)
             result.setdefault("torch_reference", []).append(

@@ -141,3 +141,18 @@ def check_replacement(replaced: fx.Node, replacement: fx.Node, pass_name: str) -
             f"{pass_name} replaced {replaced.format_node()} ({old.dtype}, {tuple(old.shape)}) with a value of "
             f"{new.dtype}, {tuple(new.shape)}"
         )
+
+
+def replace_attention(graph: fx.Graph, node: fx.Node, returns_lse: bool, out: fx.Node, lse: fx.Node, pass_name: str) -> None:
+    """Replace an attention node by (out, lse): a partial attention's getitem users, or a
+    canonical attention's (output only) uses; then erase it."""
+    if returns_lse:
+        for user in list(node.users):  # getitem 0 (out) and 1 (lse)
+            replacement = out if user.args[1] == 0 else lse
+            check_replacement(user, replacement, pass_name)
+            user.replace_all_uses_with(replacement)
+            graph.erase_node(user)
+    else:
+        check_replacement(node, out, pass_name)
+        node.replace_all_uses_with(out)
+    graph.erase_node(node)

@@ -41,7 +41,7 @@ import torch.fx as fx
 from dcp_compile.lowering.flashinfer import ensure_ops
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import call, check_replacement, fake_value
+from dcp_compile.passes.graph_utils import call, fake_value, replace_attention
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.host_metadata import block_table_width
 
@@ -96,16 +96,7 @@ class LowerFlashInferAttention(GraphPass):
             plan = plans.get(spec) or plans.setdefault(spec, FlashInferPlan(spec))
             with graph.inserting_before(site.node):
                 out, lse = self._attention(graph, site, plan, config, split, checked, width)
-            if site.returns_lse:
-                for user in list(site.node.users):  # getitem 0 (out) and 1 (lse)
-                    replacement = out if user.args[1] == 0 else lse
-                    check_replacement(user, replacement, self.name)
-                    user.replace_all_uses_with(replacement)
-                    graph.erase_node(user)
-            else:
-                check_replacement(site.node, out, self.name)
-                site.node.replace_all_uses_with(out)
-            graph.erase_node(site.node)
+            replace_attention(graph, site.node, site.returns_lse, out, lse, self.name)
         gm.meta["dcp_flashinfer_plans"] = [plan.id for plan in plans.values()]
         return len(found)
 

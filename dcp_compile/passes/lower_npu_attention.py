@@ -62,7 +62,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic
 from dcp_compile.lowering.npu import ensure_ops
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import call, check_replacement, fake_mode_of, fake_value
+from dcp_compile.passes.graph_utils import call, fake_mode_of, fake_value, replace_attention
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.host_metadata import MAX_FIA_QUERY_TOKENS, block_table_width
 
@@ -191,16 +191,7 @@ class LowerNPUAttention(GraphPass):
                 if site.cache not in views:
                     views[site.cache] = self._paged_views(graph, site, block_size)
                 out, lse = self._attention(graph, site, host, checked_table, views[site.cache], block_size, decode)
-            if site.returns_lse:
-                for user in list(site.node.users):  # getitem 0 (out) and 1 (lse)
-                    replacement = out if user.args[1] == 0 else lse
-                    check_replacement(user, replacement, self.name)
-                    user.replace_all_uses_with(replacement)
-                    graph.erase_node(user)
-            else:
-                check_replacement(site.node, out, self.name)
-                site.node.replace_all_uses_with(out)
-            graph.erase_node(site.node)
+            replace_attention(graph, site.node, site.returns_lse, out, lse, self.name)
         for node in merges:
             self._lower_merge(graph, node)
         gm.meta["dcp_fia_host_args"] = [
