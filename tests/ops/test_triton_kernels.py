@@ -23,13 +23,7 @@ pytest.importorskip("triton")
 from dcp_compile.lowering import triton as triton_kernels  # noqa: E402
 from dcp_compile.lowering.torch import reference  # noqa: E402
 from dcp_compile.lowering.triton import attention, kv_writer, merge, metadata_builder, pack  # noqa: E402
-from dcp_compile.lowering.triton.attention_tiling import (  # noqa: E402
-    AttentionTiling,
-    choose_num_splits,
-    choose_tiling,
-    queries_per_group,
-    request_tiles,
-)
+from dcp_compile.lowering.triton.attention_tiling import AttentionTiling, choose_num_splits  # noqa: E402
 from dcp_compile.lowering.triton.launching import MAX_PROGRAMS, is_interpreted  # noqa: E402
 from dcp_compile.runtime import layout  # noqa: E402
 from tests.ops.reference_inputs import random_batch, shard_inputs  # noqa: E402
@@ -233,18 +227,15 @@ def test_local_metadata_of_empty_shapes():
 
 
 def _local_attention_inputs(lengths, queries_per_request, dcp_size, interleave, rank, heads, rank_dim, rope_dim,
-                            dtype, table_dtype, seed, scrambled=True):
-    """Rank `rank`'s inputs to partial attention: its shard, local page table, lengths, positions.
-
-    Queries come in a scrambled order, so that nothing depends on the tokens of a request being
-    adjacent, unless `scrambled` is False (request by request, positions ascending)."""
+                            dtype, table_dtype, seed):
+    """Rank `rank`'s inputs to partial attention: its shard, local page table, lengths, positions."""
     inputs = random_batch(lengths, queries_per_request, heads=heads, rank_dim=rank_dim, rope_dim=rope_dim,
                           seed=seed, dtype=dtype)
     shard = shard_inputs(inputs, dcp_size, interleave, rank)
     page_table, seq_lens, key_positions = reference.local_metadata(
         inputs["req_to_token"].to(table_dtype), inputs["seq_lens"], rank, dcp_size, interleave)
-    tokens = inputs["q_seq_ids"].numel()
-    order = torch.randperm(tokens, generator=_generator(seed + 1)) if scrambled else torch.arange(tokens)
+    # Queries in a scrambled order, so nothing depends on tokens of a request being adjacent.
+    order = torch.randperm(inputs["q_seq_ids"].numel(), generator=_generator(seed + 1))
     # Slices of one gathered tensor, as the Q all-gather leaves them: not contiguous.
     gathered = torch.cat([inputs["q_latent"], inputs["q_rope"]], dim=-1)[order]
     return (gathered[..., :rank_dim], gathered[..., rank_dim:], shard, page_table, seq_lens, key_positions,
@@ -352,130 +343,6 @@ def test_sharded_attention_merges_to_the_unsharded_result():
         received = torch.stack([packed[peer][rank] for peer in range(dcp_size)])
         merged = triton_kernels.merge_partials(received, rank_dim)
         torch.testing.assert_close(merged, expected[:, rank * heads:(rank + 1) * heads], **FP32)
-
-
-# The request path (verify): one program per (request, KV split, tile of query x head rows).
-
-# Padded rows (0), one-token rows (an empty shard on every other rank), and rows long enough for
-# 16 queries and several key blocks per split.
-VERIFY_LENGTHS = [0, 40, 1, 23, 0, 64, 17]
-
-
-def _verify_queries(lengths, k):
-    return [min(k, max(n, 1)) for n in lengths]
-
-
-@pytest.fixture
-def narrow_token_scan(monkeypatch):
-    """16 tokens per scan step, so finding a request's queries takes several steps and a
-    request's tokens straddle them."""
-    monkeypatch.setattr(attention, "_SCAN_BLOCK_TOKENS", 16)
-
-
-@pytest.mark.parametrize("k", range(2, 17))
-def test_request_path_matches_reference_for_every_k(k, narrow_token_scan):
-    args = _local_attention_inputs(VERIFY_LENGTHS, _verify_queries(VERIFY_LENGTHS, k), 2, 1, 1, heads=5, rank_dim=32,
-                                   rope_dim=16, dtype=torch.float32, table_dtype=torch.int32, seed=100 + k,
-                                   scrambled=k % 2 == 0)
-    tiling = AttentionTiling(num_splits=2, block_h=16, block_n=16, block_m=16)
-    _assert_attention_close(_run_partial_attention(args, tiling), reference.partial_attention(*args, SCALE), FP32)
-
-
-@pytest.mark.parametrize("dcp_size,interleave,rank", [(1, 1, 0), (2, 1, 0), (2, 4, 1), (4, 1, 3)])
-@pytest.mark.parametrize("k", [3, 7, 16])
-@pytest.mark.parametrize("scrambled", [True, False], ids=["scrambled", "sorted"])
-@pytest.mark.parametrize("num_splits,block_m", [(1, 32), (3, 16)])
-def test_request_path_matches_reference(dcp_size, interleave, rank, k, scrambled, num_splits, block_m,
-                                        narrow_token_scan):
-    seed = 2000 + dcp_size * 100 + interleave * 10 + rank + k
-    args = _local_attention_inputs(VERIFY_LENGTHS, _verify_queries(VERIFY_LENGTHS, k), dcp_size, interleave, rank,
-                                   heads=5, rank_dim=32, rope_dim=16, dtype=torch.float32,
-                                   table_dtype=torch.int64 if seed % 2 else torch.int32, seed=seed, scrambled=scrambled)
-    tiling = AttentionTiling(num_splits=num_splits, block_h=16, block_n=16, block_m=block_m)
-    _assert_attention_close(_run_partial_attention(args, tiling), reference.partial_attention(*args, SCALE), FP32)
-
-
-def test_request_path_loops_over_groups_of_a_request_with_many_queries(narrow_token_scan):
-    """23 tokens over 4 requests make groups of 6 queries: request 3's 20 queries take four
-    passes, interleaved in token order with the others'."""
-    lengths, queries = [3, 0, 5, 30], [1, 1, 1, 20]
-    args = _local_attention_inputs(lengths, queries, 2, 1, 0, heads=3, rank_dim=32, rope_dim=16, dtype=torch.float32,
-                                   table_dtype=torch.int64, seed=71)
-    assert queries_per_group(23, 4) == 6
-    tiling = AttentionTiling(num_splits=2, block_h=16, block_n=16, block_m=16)
-    _assert_attention_close(_run_partial_attention(args, tiling), reference.partial_attention(*args, SCALE), FP32)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_request_path_half_precision(dtype):
-    args = _local_attention_inputs(VERIFY_LENGTHS, _verify_queries(VERIFY_LENGTHS, 7), 2, 1, 1, heads=3, rank_dim=32,
-                                   rope_dim=16, dtype=dtype, table_dtype=torch.int32, seed=81)
-    tiling = AttentionTiling(num_splits=2, block_h=16, block_n=16, block_m=32)
-    _assert_attention_close(_run_partial_attention(args, tiling), reference.partial_attention(*args, SCALE), BF16)
-
-
-def test_request_path_masks_uneven_dims_and_queries_across_tiles():
-    """R and P that are not powers of two; 20 heads in 16-row tiles, so a query's heads straddle
-    tiles and a tile holds the end of one query and the start of the next."""
-    args = _local_attention_inputs([0, 23, 6, 40], [1, 4, 2, 4], 2, 1, 0, heads=20, rank_dim=48, rope_dim=8,
-                                   dtype=torch.float32, table_dtype=torch.int64, seed=91)
-    tiling = AttentionTiling(num_splits=2, block_h=16, block_n=16, block_m=16)
-    _assert_attention_close(_run_partial_attention(args, tiling), reference.partial_attention(*args, SCALE), FP32)
-
-
-def test_request_path_of_empty_shards_is_zero_with_lse_minus_inf():
-    # Two-token requests: on rank 1 of 2, a request whose locations are both even has an empty
-    # shard, and the first query of one whose only local key is its second sees nothing.
-    args = _local_attention_inputs([2, 2, 2, 2, 1], [2, 2, 2, 2, 1], 2, 1, 1, heads=2, rank_dim=16, rope_dim=16,
-                                   dtype=torch.float32, table_dtype=torch.int64, seed=44)
-    expected = reference.partial_attention(*args, SCALE)
-    sees_nothing = torch.isneginf(expected[1]).all(1)
-    has_keys = args[4][args[6]] > 0
-    assert (sees_nothing & ~has_keys).any() and (sees_nothing & has_keys).any(), "the batch should hold both cases"
-    tiling = AttentionTiling(num_splits=2, block_h=16, block_n=16, block_m=16)
-    _assert_attention_close(_run_partial_attention(args, tiling), expected, FP32)
-
-
-def test_request_path_loops_past_the_program_limit(monkeypatch):
-    import dcp_compile.lowering.triton.launching as launching
-
-    monkeypatch.setattr(launching, "MAX_PROGRAMS", 2)
-    args = _local_attention_inputs([9, 4, 0, 30], [3, 2, 1, 5], 2, 1, 0, heads=3, rank_dim=16, rope_dim=16,
-                                   dtype=torch.float32, table_dtype=torch.int64, seed=62)
-    tiling = AttentionTiling(num_splits=2, block_h=16, block_n=16, block_m=16)
-    _assert_attention_close(_run_partial_attention(args, tiling), reference.partial_attention(*args, SCALE), FP32)
-
-
-def test_request_path_is_the_default_for_verify():
-    args = _local_attention_inputs(VERIFY_LENGTHS, _verify_queries(VERIFY_LENGTHS, 4), 1, 1, 0, heads=4, rank_dim=32,
-                                   rope_dim=16, dtype=torch.float32, table_dtype=torch.int64, seed=12)
-    tokens, requests = args[0].shape[0], args[3].shape[0]
-    assert choose_tiling(tokens, 4, args[3].shape[1], torch.device("cpu"), torch.float32, requests=requests).block_m
-    expected = reference.partial_attention(*args, SCALE)
-    _assert_attention_close(_run_partial_attention(args), expected, FP32)
-    _assert_attention_close(triton_kernels.partial_attention(*args, SCALE), expected, FP32)
-
-
-@pytest.mark.parametrize("tokens,requests,dtype,block_m", [
-    (64, 64, torch.bfloat16, 0),          # decode
-    (64, None, torch.bfloat16, 0),        # no request count: decode
-    (448, 64, torch.bfloat16, 64),        # verify, k = 7
-    (1024, 64, torch.bfloat16, 64),       # verify, k = 16
-    (1025, 64, torch.bfloat16, 0),        # more than 16 queries per request on average: an extend
-    (28, 4, torch.float32, 32),           # the exact path keeps its smaller tiles
-])
-def test_tiling_heuristic_picks_the_request_path_for_verify(tokens, requests, dtype, block_m):
-    tiling = choose_tiling(tokens, 32, 131072, torch.device("cpu"), dtype, requests=requests)
-    assert tiling.block_m == block_m
-
-
-def test_request_path_fills_the_machine_with_request_programs():
-    # Batch 4, k = 7, 32 heads: 7 x 32 rows in four 64-row tiles, 16 programs per split.
-    assert request_tiles(28, 4, 32, 64) == 4
-    tiling = choose_tiling(28, 32, 131072, torch.device("cpu"), torch.bfloat16, requests=4)
-    assert tiling.num_splits == choose_num_splits(16, 131072, 32)
-    with pytest.raises(ValueError, match="block_m"):
-        AttentionTiling(num_splits=1, block_h=16, block_n=16, block_m=24)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,26 +5,13 @@ j < seq_lens[b] with key_positions[b, j] <= q_positions[t]; keys carry global po
 causal mask of verify and extend holds on a shard. A query that sees no key gets out = 0 and
 lse = -inf.
 
-Stage 1 has two paths, chosen by `AttentionTiling.block_m` (attention_tiling.choose_tiling picks
-it from shapes). Both load a block of KV rows once and use it for every row of the program's tile:
-the latent part is both K (scores) and V (output), the rope part only K.
-
-The one-query path (decode) runs one program per (query, KV split, head tile). With at most
-MAX_BLOCK_H heads there is one tile, so each KV row is read once for all heads of the query; that
-keeps the time flat from 16 to 64 heads. Program ids run over head tiles, then queries, then
-splits: the tiles of one query and the queries of one request that read the same split are
-adjacent, so they run together and share its rows through L2.
-
-The request path (verify) runs one program per (request, KV split, row tile). A request's queries
-are numbered 0, 1, ... in token order; rows m = query * heads + head of a group of
-`queries_per_group` queries are cut into tiles of BLOCK_M, so one tensor-core tile holds several
-queries when heads < BLOCK_M, and the causal mask is per row. Tokens need not be sorted or
-adjacent: a program finds its rows' tokens by scanning q_seq_ids, which for a verify batch (at
-most a few thousand tokens) is a few loads next to the KV split the program streams. A request
-with more queries than a group loops over its groups, so any distribution of tokens is served;
-the grid comes from shapes alone, with no host sync and no preprocessing launch.
-
-Stage 2 merges the splits of each (query, head) by their LSE.
+Stage 1 runs one program per (query, KV split, head tile). Each program loads a block of KV
+rows once and uses it for every head of its tile: the latent part is both K (scores) and V
+(output), the rope part only K. With at most MAX_BLOCK_H heads there is one tile, so each KV row
+is read once for all heads of the query; that keeps the time flat from 16 to 64 heads. Program
+ids run over head tiles, then queries, then splits: the tiles of one query and the queries of
+one request (verify's k tokens) that read the same split are adjacent, so they run together and
+share its rows through L2 instead of streaming the KV once per query. Stage 2 merges the splits of each (query, head) by their LSE.
 
 Offsets into the cache, the queries and the workspace are 64-bit, so a pool of more than 2^31
 elements works.
@@ -38,12 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_compile.lowering.triton.attention_tiling import (
-    AttentionTiling,
-    choose_tiling,
-    queries_per_group,
-    request_tiles,
-)
+from dcp_compile.lowering.triton.attention_tiling import AttentionTiling, choose_tiling
 from dcp_compile.lowering.triton.launching import (
     block_size,
     check_float,
@@ -55,9 +37,6 @@ from dcp_compile.lowering.triton.launching import (
 )
 
 _LN2 = math.log(2.0)
-# q_seq_ids read per step of the request path's token scan: a verify batch of 64 x 16 tokens
-# takes 8 steps.
-_SCAN_BLOCK_TOKENS = 128
 
 
 @triton.jit
@@ -66,156 +45,6 @@ def _keys_per_split(seq_len, width, num_splits, BLOCK_N: tl.constexpr):
     work spreads evenly whatever the page-table width. Returns (keys, keys per split)."""
     length = tl.minimum(seq_len, width)
     return length, tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-
-
-@triton.jit
-def _load_key_block(kv_cache_ptr, table_row, key_positions_row, first_key, end,
-                    stride_cache_row, stride_cache_col, stride_table_col, stride_key_positions_col,
-                    latent_cols, rope_cols, latent_mask, rope_mask, key_offsets,
-                    RANK_DIM: tl.constexpr, OPERAND_DTYPE: tl.constexpr):
-    """Keys first_key .. first_key + BLOCK_N of a request (those < end): their mask, global
-    positions (in the table's dtype), latent [BLOCK_N, BLOCK_R] and rope [BLOCK_N, BLOCK_P] parts."""
-    key = (first_key + key_offsets).to(tl.int64)
-    key_mask = key < end
-    row = tl.load(table_row + key * stride_table_col, mask=key_mask, other=0).to(tl.int64)
-    key_position = tl.load(key_positions_row + key * stride_key_positions_col, mask=key_mask, other=0)
-    row_ptr = kv_cache_ptr + row * stride_cache_row
-    k_latent = tl.load(row_ptr[:, None] + latent_cols[None, :] * stride_cache_col,
-                       mask=key_mask[:, None] & latent_mask[None, :], other=0.0).to(OPERAND_DTYPE)
-    k_rope = tl.load(row_ptr[:, None] + (RANK_DIM + rope_cols)[None, :] * stride_cache_col,
-                     mask=key_mask[:, None] & rope_mask[None, :], other=0.0).to(OPERAND_DTYPE)
-    return key_mask, key_position, k_latent, k_rope
-
-
-@triton.jit
-def _online_softmax_step(q_latent, q_rope, k_latent, k_rope, visible, scale_log2, max_score, denominator, acc,
-                         OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One key block of a running softmax in base 2 (scores pre-scaled by log2 e); `visible` is
-    [rows, keys] or broadcasts to it."""
-    scores = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
-    scores = tl.dot(q_latent, tl.trans(k_latent), scores, input_precision=DOT_PRECISION)
-    scores = tl.where(visible, scores * scale_log2, float("-inf"))
-    new_max = tl.maximum(max_score, tl.max(scores, 1))
-    # While every score so far is -inf, shift by 0 so that no -inf - -inf makes a NaN.
-    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    rescale = tl.exp2(max_score - shift)
-    probs = tl.exp2(scores - shift[:, None])
-    denominator = denominator * rescale + tl.sum(probs, 1)
-    acc = acc * rescale[:, None] + tl.dot(probs.to(OPERAND_DTYPE), k_latent, input_precision=DOT_PRECISION)
-    return new_max, denominator, acc
-
-
-@triton.jit
-def _finish_split(max_score, denominator, acc, LN2: tl.constexpr):
-    """A split's normalised output and its LSE in base e (-inf where no key was seen)."""
-    seen = denominator > 0
-    safe_denominator = tl.where(seen, denominator, 1.0)
-    split_lse = tl.where(seen, (max_score + tl.log2(safe_denominator)) * LN2, float("-inf"))
-    return acc / safe_denominator[:, None], split_lse
-
-
-@triton.jit
-def _find_row_tokens(q_seq_ids_ptr, stride_q_seq_ids, tokens, request, row_rank,
-                     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Each row's token: the row_rank-th token of `request` in token order, -1 where the request
-    has no such token (row_rank -1 never matches). Also returns the request's token count.
-
-    Ranks come from a triangular count within each block of tokens rather than tl.cumsum, so
-    that nothing beyond sums and compares is asked of the backend."""
-    offsets = tl.arange(0, BLOCK_T)
-    before = offsets[None, :] < offsets[:, None]
-    row_token = tl.full([BLOCK_M], -1, tl.int64)
-    count = tl.full([], 0, tl.int32)
-    for first in range(0, tokens, BLOCK_T):
-        token = first + offsets
-        ids = tl.load(q_seq_ids_ptr + token.to(tl.int64) * stride_q_seq_ids, mask=token < tokens, other=-1)
-        match = ids == request
-        rank = count + tl.sum((before & match[None, :]).to(tl.int32), 1)
-        hit = match[None, :] & (rank[None, :] == row_rank[:, None])
-        row_token = tl.maximum(row_token, tl.max(tl.where(hit, token[None, :].to(tl.int64), -1), 1))
-        count += tl.sum(match.to(tl.int32), 0)
-    return row_token, count
-
-
-@triton.jit(do_not_specialize=["tokens", "heads", "requests", "width", "num_splits", "group", "tiles"])
-def _attend_request_splits_kernel(
-    q_latent_ptr, q_rope_ptr, kv_cache_ptr, page_table_ptr, seq_lens_ptr, key_positions_ptr,
-    q_seq_ids_ptr, q_positions_ptr, split_out_ptr, split_lse_ptr,
-    tokens, heads, requests, width, num_splits, group, tiles, scale_log2,
-    stride_q_latent_token, stride_q_latent_head, stride_q_latent_col,
-    stride_q_rope_token, stride_q_rope_head, stride_q_rope_col,
-    stride_cache_row, stride_cache_col,
-    stride_table_req, stride_table_col,
-    stride_seq_lens,
-    stride_key_positions_req, stride_key_positions_col,
-    stride_q_seq_ids, stride_q_positions,
-    stride_split_out_token, stride_split_out_split, stride_split_out_head,
-    stride_split_lse_token, stride_split_lse_split,
-    RANK_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_T: tl.constexpr, OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, LN2: tl.constexpr,
-):
-    latent_cols = tl.arange(0, BLOCK_R)
-    rope_cols = tl.arange(0, BLOCK_P)
-    latent_mask = latent_cols < RANK_DIM
-    rope_mask = rope_cols < ROPE_DIM
-    key_offsets = tl.arange(0, BLOCK_N)
-    work_items = requests * num_splits * tiles
-    for work in range(tl.program_id(0), work_items, tl.num_programs(0)):
-        # Tiles, then requests, vary fastest: the tiles of a request that read the same split run
-        # together and share its blocks through L2.
-        tile = work % tiles
-        request = tl.cast((work // tiles) % requests, tl.int64)
-        split = work // (tiles * requests)
-        seq_len = tl.load(seq_lens_ptr + request * stride_seq_lens).to(tl.int32)
-        length, keys_per_split = _keys_per_split(seq_len, width, num_splits, BLOCK_N)
-        start = split * keys_per_split
-        end = tl.minimum(start + keys_per_split, length)
-        if start < end:
-            row = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            group_query = row // heads
-            head = (row % heads).to(tl.int64)
-            in_group = group_query < group
-            table_row = page_table_ptr + request * stride_table_req
-            key_positions_row = key_positions_ptr + request * stride_key_positions_req
-            row_token, count = _find_row_tokens(q_seq_ids_ptr, stride_q_seq_ids, tokens, request,
-                                                tl.where(in_group, group_query, -1), BLOCK_M, BLOCK_T)
-            for query_group in range(0, tl.cdiv(count, group)):
-                valid = row_token >= 0
-                token = tl.maximum(row_token, 0)
-                # Positions are below 2^31: 32 bits hold them, and the program is at the register
-                # limit, where each value live across the key loop competes with the accumulator.
-                query_position = tl.load(q_positions_ptr + token * stride_q_positions, mask=valid, other=0).to(tl.int32)
-                q_latent = tl.load(
-                    q_latent_ptr + token[:, None] * stride_q_latent_token + head[:, None] * stride_q_latent_head
-                    + latent_cols[None, :] * stride_q_latent_col,
-                    mask=valid[:, None] & latent_mask[None, :], other=0.0).to(OPERAND_DTYPE)
-                q_rope = tl.load(
-                    q_rope_ptr + token[:, None] * stride_q_rope_token + head[:, None] * stride_q_rope_head
-                    + rope_cols[None, :] * stride_q_rope_col,
-                    mask=valid[:, None] & rope_mask[None, :], other=0.0).to(OPERAND_DTYPE)
-                max_score = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                denominator = tl.zeros([BLOCK_M], tl.float32)
-                acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-                for first_key in range(start, end, BLOCK_N):
-                    key_mask, key_position, k_latent, k_rope = _load_key_block(
-                        kv_cache_ptr, table_row, key_positions_row, first_key, end,
-                        stride_cache_row, stride_cache_col, stride_table_col, stride_key_positions_col,
-                        latent_cols, rope_cols, latent_mask, rope_mask, key_offsets, RANK_DIM, OPERAND_DTYPE)
-                    visible = (valid[:, None] & key_mask[None, :]) & (key_position.to(tl.int32)[None, :] <= query_position[:, None])
-                    max_score, denominator, acc = _online_softmax_step(
-                        q_latent, q_rope, k_latent, k_rope, visible, scale_log2, max_score, denominator, acc,
-                        OPERAND_DTYPE, DOT_PRECISION)
-                split_out, split_lse = _finish_split(max_score, denominator, acc, LN2)
-                tl.store(split_out_ptr + token[:, None] * stride_split_out_token + split * stride_split_out_split
-                         + head[:, None] * stride_split_out_head + latent_cols[None, :],
-                         split_out, mask=valid[:, None] & latent_mask[None, :])
-                tl.store(split_lse_ptr + token * stride_split_lse_token + split * stride_split_lse_split + head,
-                         split_lse, mask=valid)
-                # The next group's tokens; past the last group this finds none, and the loop ends.
-                next_rank = tl.where(in_group, (query_group + 1) * group + group_query, -1)
-                row_token, _ = _find_row_tokens(q_seq_ids_ptr, stride_q_seq_ids, tokens, request, next_rank,
-                                                BLOCK_M, BLOCK_T)
 
 
 @triton.jit(do_not_specialize=["tokens", "heads", "width", "num_splits", "head_tiles"])
@@ -267,19 +96,37 @@ def _attend_splits_kernel(
                 mask=head_mask[:, None] & rope_mask[None, :], other=0.0).to(OPERAND_DTYPE)
             table_row = page_table_ptr + request * stride_table_req
             key_positions_row = key_positions_ptr + request * stride_key_positions_req
+            # Running softmax in base 2 (scores are pre-scaled by log2 e); the LSE is stored in base e.
             max_score = tl.full([BLOCK_H], float("-inf"), tl.float32)
             denominator = tl.zeros([BLOCK_H], tl.float32)
             acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
             for first_key in range(start, end, BLOCK_N):
-                key_mask, key_position, k_latent, k_rope = _load_key_block(
-                    kv_cache_ptr, table_row, key_positions_row, first_key, end,
-                    stride_cache_row, stride_cache_col, stride_table_col, stride_key_positions_col,
-                    latent_cols, rope_cols, latent_mask, rope_mask, key_offsets, RANK_DIM, OPERAND_DTYPE)
-                visible = key_mask & (key_position.to(tl.int64) <= query_position)
-                max_score, denominator, acc = _online_softmax_step(
-                    q_latent, q_rope, k_latent, k_rope, visible[None, :], scale_log2, max_score, denominator, acc,
-                    OPERAND_DTYPE, DOT_PRECISION)
-            split_out, split_lse = _finish_split(max_score, denominator, acc, LN2)
+                key = (first_key + key_offsets).to(tl.int64)
+                key_mask = key < end
+                row = tl.load(table_row + key * stride_table_col, mask=key_mask, other=0).to(tl.int64)
+                key_position = tl.load(key_positions_row + key * stride_key_positions_col,
+                                       mask=key_mask, other=0).to(tl.int64)
+                visible = key_mask & (key_position <= query_position)
+                row_ptr = kv_cache_ptr + row * stride_cache_row
+                k_latent = tl.load(row_ptr[:, None] + latent_cols[None, :] * stride_cache_col,
+                                   mask=key_mask[:, None] & latent_mask[None, :], other=0.0).to(OPERAND_DTYPE)
+                k_rope = tl.load(row_ptr[:, None] + (RANK_DIM + rope_cols)[None, :] * stride_cache_col,
+                                 mask=key_mask[:, None] & rope_mask[None, :], other=0.0).to(OPERAND_DTYPE)
+                scores = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+                scores = tl.dot(q_latent, tl.trans(k_latent), scores, input_precision=DOT_PRECISION)
+                scores = tl.where(visible[None, :], scores * scale_log2, float("-inf"))
+                new_max = tl.maximum(max_score, tl.max(scores, 1))
+                # While every score so far is -inf, shift by 0 so that no -inf - -inf makes a NaN.
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                rescale = tl.exp2(max_score - shift)
+                probs = tl.exp2(scores - shift[:, None])
+                denominator = denominator * rescale + tl.sum(probs, 1)
+                acc = acc * rescale[:, None] + tl.dot(probs.to(OPERAND_DTYPE), k_latent, input_precision=DOT_PRECISION)
+                max_score = new_max
+            seen = denominator > 0
+            safe_denominator = tl.where(seen, denominator, 1.0)
+            split_lse = tl.where(seen, (max_score + tl.log2(safe_denominator)) * LN2, float("-inf"))
+            split_out = acc / safe_denominator[:, None]
             tl.store(split_out_ptr + token * stride_split_out_token + split * stride_split_out_split
                      + head[:, None].to(tl.int64) * stride_split_out_head + latent_cols[None, :],
                      split_out, mask=head_mask[:, None] & latent_mask[None, :])
@@ -354,8 +201,6 @@ def _check_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, key_position
     if page_table.dim() != 2 or key_positions.shape != page_table.shape or seq_lens.shape != page_table.shape[:1]:
         raise ValueError(f"page_table and key_positions must be [B, L] and seq_lens [B]; got {tuple(page_table.shape)}, "
                          f"{tuple(key_positions.shape)}, {tuple(seq_lens.shape)}")
-    if tokens and not page_table.shape[0]:
-        raise ValueError(f"{tokens} queries need requests, but page_table has no rows")
     if q_seq_ids.shape != (tokens,) or q_positions.shape != (tokens,):
         raise ValueError(f"q_seq_ids and q_positions must be [T] = [{tokens}]; got {tuple(q_seq_ids.shape)}, "
                          f"{tuple(q_positions.shape)}")
@@ -377,8 +222,8 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
                          f"{tuple(out.shape)} {out.dtype} and {tuple(lse.shape)} {lse.dtype}")
     if tokens == 0 or heads == 0:
         return
-    requests = page_table.shape[0]
-    tiling = tiling or choose_tiling(tokens, heads, width, q_latent.device, kv_cache.dtype, requests=requests)
+    tiling = tiling or choose_tiling(tokens, heads, width, q_latent.device, kv_cache.dtype)
+    head_tiles = triton.cdiv(heads, tiling.block_h)
     split_out, split_lse = workspace or split_workspace(tokens, tiling.num_splits, heads, rank_dim, q_latent.device)
     if split_out.shape != (tokens, tiling.num_splits, heads, rank_dim) or split_out.stride(3) != 1 \
             or split_lse.shape != (tokens, tiling.num_splits, heads) or split_lse.stride(2) != 1:
@@ -387,13 +232,9 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
     # multiplies the raw bits of bf16 (triton-lang/triton#11584). fp32 dots ask for IEEE
     # precision: the default TF32 would miss the reference by 1e-3.
     dot_in_fp32 = kv_cache.dtype == torch.float32 or is_interpreted(_attend_splits_kernel)
-    common = dict(
-        RANK_DIM=rank_dim, ROPE_DIM=rope_dim, BLOCK_R=block_size(rank_dim), BLOCK_P=block_size(rope_dim),
-        BLOCK_N=tiling.block_n, OPERAND_DTYPE=tl.float32 if dot_in_fp32 else triton_dtype(kv_cache.dtype),
-        DOT_PRECISION="ieee" if dot_in_fp32 else None, LN2=_LN2,
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
-    )
-    strides = (
+    _attend_splits_kernel[grid_for(tokens * tiling.num_splits * head_tiles)](
+        q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, split_out, split_lse,
+        tokens, heads, width, tiling.num_splits, head_tiles, sm_scale / _LN2,
         q_latent.stride(0), q_latent.stride(1), q_latent.stride(2),
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
@@ -403,22 +244,12 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
         q_seq_ids.stride(0), q_positions.stride(0),
         split_out.stride(0), split_out.stride(1), split_out.stride(2),
         split_lse.stride(0), split_lse.stride(1),
+        RANK_DIM=rank_dim, ROPE_DIM=rope_dim,
+        BLOCK_R=block_size(rank_dim), BLOCK_P=block_size(rope_dim), BLOCK_H=tiling.block_h, BLOCK_N=tiling.block_n,
+        OPERAND_DTYPE=tl.float32 if dot_in_fp32 else triton_dtype(kv_cache.dtype),
+        DOT_PRECISION="ieee" if dot_in_fp32 else None, LN2=_LN2,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
-    tensors = (q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions,
-               split_out, split_lse)
-    if tiling.block_m:
-        group = queries_per_group(tokens, requests)
-        tiles = request_tiles(tokens, requests, heads, tiling.block_m)
-        _attend_request_splits_kernel[grid_for(requests * tiling.num_splits * tiles)](
-            *tensors, tokens, heads, requests, width, tiling.num_splits, group, tiles, sm_scale / _LN2, *strides,
-            BLOCK_M=tiling.block_m, BLOCK_T=_SCAN_BLOCK_TOKENS, **common,
-        )
-    else:
-        head_tiles = triton.cdiv(heads, tiling.block_h)
-        _attend_splits_kernel[grid_for(tokens * tiling.num_splits * head_tiles)](
-            *tensors, tokens, heads, width, tiling.num_splits, head_tiles, sm_scale / _LN2, *strides,
-            BLOCK_H=tiling.block_h, **common,
-        )
     _merge_splits_kernel[grid_for(tokens * heads)](
         split_out, split_lse, seq_lens, q_seq_ids, out, lse,
         tokens, heads, width, tiling.num_splits,

@@ -19,12 +19,6 @@ MAX_BLOCK_H = 64
 # being small next to the KV it summarises.
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 256
-# Queries of one request that the request path serves in one pass over its KV (verify's k is at
-# most 16). A request with more queries takes several passes.
-MAX_GROUP_QUERIES = 16
-# Rows of a request-path program, (query, head) pairs: the tensor-core tile height. A [64, R] fp32
-# accumulator is half an H100/H200 register file, as on the one-query path at 64 heads.
-REQUEST_BLOCK_M = 64
 # Used where the device reports no count of parallel units (triton-ascend, the interpreter).
 DEFAULT_PARALLEL_UNITS = 32
 # Fraction of the machine a wave of programs should fill before adding splits stops paying.
@@ -38,22 +32,15 @@ class AttentionTiling:
     num_splits: int
     """KV splits per query: each split's keys are one program's work; a second kernel merges them."""
     block_h: int
-    """Heads per program on the one-query path (a power of two >= 16); all heads when there are at
-    most MAX_BLOCK_H."""
+    """Heads per program (a power of two >= 16); all heads when there are at most MAX_BLOCK_H."""
     block_n: int
     """Keys loaded per inner iteration (a power of two >= 16)."""
     num_warps: int = 8
     num_stages: int = 2
-    block_m: int = 0
-    """Rows per program on the request path: (query, head) pairs of one request, query-major, so
-    each KV block is loaded once for several queries (a power of two >= 16). 0 selects the
-    one-query path, one program per query and head tile (decode); block_h applies only there."""
 
     def __post_init__(self):
-        for name in ("block_h", "block_n", "block_m"):
+        for name in ("block_h", "block_n"):
             value = getattr(self, name)
-            if name == "block_m" and value == 0:
-                continue
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if self.num_splits < 1:
@@ -84,31 +71,8 @@ def choose_num_splits(programs_per_split: int, width: int, units: int) -> int:
     return best
 
 
-def queries_per_group(tokens: int, requests: int) -> int:
-    """Queries of a request that one request-path pass serves: the mean per request, rounded up,
-    at most MAX_GROUP_QUERIES. It sizes the grid from shapes alone; a request with more queries
-    than this loops over them in groups, so any distribution of tokens is served."""
-    return max(1, min(MAX_GROUP_QUERIES, triton.cdiv(tokens, max(requests, 1))))
-
-
-def request_tiles(tokens: int, requests: int, heads: int, block_m: int) -> int:
-    """Programs per (request, KV split) on the request path: a group's query x head rows in
-    tiles of block_m."""
-    return triton.cdiv(queries_per_group(tokens, requests) * heads, block_m)
-
-
 def choose_tiling(tokens: int, heads: int, width: int, device: torch.device,
-                  cache_dtype: torch.dtype = torch.bfloat16, requests: int | None = None) -> AttentionTiling:
-    """`requests` is the page table's row count; None means one query per request (decode).
-
-    Several queries per request on average, at most MAX_GROUP_QUERIES (verify), take the request
-    path: its tiles hold REQUEST_BLOCK_M (query, head) rows, where the one-query path's hold only
-    `heads`, and each program reads a KV block once for all of its rows. Decode and long extends
-    keep the one-query path.
-    """
-    requests = tokens if requests is None else requests
-    if 0 < requests < tokens <= MAX_GROUP_QUERIES * requests:
-        return _request_tiling(tokens, requests, heads, width, device, cache_dtype)
+                  cache_dtype: torch.dtype = torch.bfloat16) -> AttentionTiling:
     # fp32 is the exact path, not the fast one: its IEEE dots run without tensor cores, and a
     # 64-head fp32 query tile alone would fill 147 KiB of shared memory.
     most_heads = MAX_BLOCK_H if cache_dtype != torch.float32 else MAX_BLOCK_H // 2
@@ -126,20 +90,3 @@ def choose_tiling(tokens: int, heads: int, width: int, device: torch.device,
     if block_h >= 64:
         return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=64, num_warps=8, num_stages=2)
     return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=64, num_warps=8, num_stages=3)
-
-
-def _request_tiling(tokens: int, requests: int, heads: int, width: int, device: torch.device,
-                    cache_dtype: torch.dtype) -> AttentionTiling:
-    # The one-query path's fp32 limits apply (IEEE dots, shared memory), so fp32 rows are halved.
-    block_m = REQUEST_BLOCK_M if cache_dtype != torch.float32 else REQUEST_BLOCK_M // 2
-    tiles = request_tiles(tokens, requests, heads, block_m)
-    num_splits = choose_num_splits(requests * tiles, width, parallel_units(device))
-    block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(heads)))
-    if cache_dtype == torch.float32:
-        return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=16, num_warps=8, num_stages=2,
-                               block_m=block_m)
-    # The same program shape as the one-query path's 64-head tile, which runs on an H200: a
-    # [64, 512] fp32 accumulator over 8 warps, [64, 576] bf16 queries and two stages of
-    # [64, 576] bf16 keys in shared memory (216 KiB of the 227 KiB).
-    return AttentionTiling(num_splits=num_splits, block_h=block_h, block_n=64, num_warps=8, num_stages=2,
-                           block_m=block_m)
