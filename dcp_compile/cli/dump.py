@@ -80,7 +80,8 @@ def register(sub) -> None:
                         "(default auto: the cost model picks for this batch, and the summary says why)")
     p.add_argument("--debug-checks", action="store_true", help="also run the debug-check passes")
     p.add_argument("--kernels", default="auto", choices=KERNEL_BACKENDS,
-                   help="kernels the lowering picks (npu: Ascend FIA and npu_attention_update nodes; default auto)")
+                   help="kernels the lowering picks (flashinfer: FlashInfer MLA nodes with their host plans; npu: Ascend "
+                        "FIA and npu_attention_update nodes; default auto)")
     p.add_argument("--block-size", type=int, default=128, help="--kernels npu: FIA block size (default 128)")
     p.set_defaults(handler=run)
 

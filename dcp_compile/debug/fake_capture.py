@@ -70,7 +70,7 @@ class GraphSpec:
     """How attention reaches the sharded KV: gather-q (rewrite_attention), gather-kv
     (gather_kv_attention), or auto: the cost model's choice for this batch."""
     kernels: str = "auto"
-    """Kernels the lowering passes pick: auto, torch, triton or npu (Ascend FIA)."""
+    """Kernels the lowering passes pick: auto, torch, triton, flashinfer or npu (Ascend FIA)."""
     num_heads: int | None = None
     """Override the preset's attention heads."""
     block_size: int = 128
