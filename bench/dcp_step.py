@@ -194,7 +194,7 @@ def bench_stack(args, device, tp, lowering: str = "flashinfer") -> list[dict]:
                             slot.current = None
                         rows.append({"lowering": lowering, "dcp_size": dcp_size, "context": context, "batch": batch, "k": k,
                                      "layers": cfg.num_layers, "step_seconds": seconds, **entry})
-            del compiled, model, step
+            del compiled, model
             torch.cuda.empty_cache()
     finally:
         MLAKVPool._allocate = original

@@ -17,7 +17,7 @@ def _us(seconds) -> str:
 
 
 def kernel_table(lowerings: dict, context: int = 131072) -> list[str]:
-    lines = [f"| heads | batch | k | bound | floor (us) | Triton (us, % copy, % floor) | FlashInfer (us, % copy, % floor) |",
+    lines = ["| heads | batch | k | bound | floor (us) | Triton (us, % copy, % floor) | FlashInfer (us, % copy, % floor) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in lowerings["cases"]:
         if row["context"] != context or "skipped" in row:

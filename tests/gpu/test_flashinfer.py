@@ -4,7 +4,6 @@ a stale plan caught in debug mode). Skipped where FlashInfer does not serve the 
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
