@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 import signal
 import socket
 import time

@@ -17,7 +17,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dcp_compile.lowering.torch import reference
 from dcp_compile.runtime.batch import RequestTable
 from tests.ops.reference_inputs import gather_q_attention, naive_attention
 from tests.ops.test_extend_strategies import gather_kv_attention

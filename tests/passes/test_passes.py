@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.fx as fx
 
 from dcp_compile.passes import PassConfig, PassManager
 from dcp_compile.passes import sites
