@@ -16,7 +16,7 @@ from dcp_compile.config import DCPConfig
 from dcp_compile.passes.cache_use import CacheMisuseError
 from dcp_compile.passes.graph_utils import RewriteError
 from dcp_compile.passes.manager import check_pass_names
-from dcp_compile.runtime import parallel
+from dcp_compile.runtime import layout, parallel
 from dcp_compile.passes.lower_flashinfer_attention import MAX_WINDOW_QUERY_TOKENS
 from dcp_compile.runtime.host_metadata import MAX_FIA_QUERY_TOKENS, HostMetadata, HostSlot
 from dcp_compile.runtime.kv_pool import CapacityReport, MLAKVPool
@@ -348,13 +348,13 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
         from dcp_compile.lowering.npu import require_torch_npu
 
         require_torch_npu("inner_compile='torchair'")
-    layout = parallel.build(current.tp_size, config.dcp_size)
-    pool.reshard(layout.dcp_size, layout.dcp_rank, config.interleave, kv_keep)
+    groups = parallel.build(current.tp_size, config.dcp_size)
+    pool.reshard(groups.dcp_size, groups.dcp_rank, config.interleave, kv_keep)
     # At dcp_size 1 with kernels='npu', 'gather-kv' names the graph without FIA, for chunks FIA does not serve.
     strategies = cost_model.STRATEGIES if config.dcp_size > 1 or config.kernels == "npu" else ("gather-q",)
-    host_slot = HostSlot(layout.dcp_rank)
-    backends = {name: DCPBackend(config, layout, name, pool.page_size, host_slot, pool) for name in strategies}
-    return DCPModel(model, DCPState(config, layout, pool, backends, host_slot=host_slot))
+    host_slot = HostSlot(groups.dcp_rank)
+    backends = {name: DCPBackend(config, groups, name, pool.page_size, host_slot, pool) for name in strategies}
+    return DCPModel(model, DCPState(config, groups, pool, backends, host_slot=host_slot))
 
 
 def _check_npu_lowering(model: nn.Module, pool: MLAKVPool, config: DCPConfig) -> None:
@@ -382,18 +382,13 @@ def _check_npu_lowering(model: nn.Module, pool: MLAKVPool, config: DCPConfig) ->
 def _cuda_kernels(pool: MLAKVPool, config: DCPConfig) -> str:
     """kernels='auto' on CUDA: FlashInfer where it serves this GPU and model, else Triton."""
     from dcp_compile.lowering import flashinfer
-    from dcp_compile.passes.base import PassConfig
-    from dcp_compile.passes.lower_flashinfer_attention import flashinfer_block_size
 
     reason = flashinfer.unsupported_reason(pool.device, pool.kv_lora_rank, pool.rope_dim, pool.dtype)
     if reason is None and config.inner_compile != "eager":
         reason = f"inner_compile={config.inner_compile!r} (FlashInfer runs with 'eager')"
-    if reason is None:
-        try:
-            flashinfer_block_size(PassConfig(dcp_size=config.dcp_size, interleave=config.interleave,
-                                             page_size=pool.page_size))
-        except ValueError as exc:
-            reason = str(exc)
+    if reason is None and layout.local_block_size(pool.page_size, config.dcp_size, config.interleave) is None:
+        reason = (f"page size {pool.page_size} with interleave {config.interleave} over dcp_size {config.dcp_size} "
+                  "does not map onto whole local blocks (FlashInfer's pages)")
     if reason is None:
         return "flashinfer"
     flashinfer.log.info("kernels='auto': the Triton attention kernel, not FlashInfer: %s", reason)

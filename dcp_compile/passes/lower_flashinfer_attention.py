@@ -52,14 +52,8 @@ window); longer chunks take the gather-kv strategy."""
 
 
 def flashinfer_block_size(config: PassConfig) -> int:
-    block_size = layout.local_block_size(config.page_size, config.dcp_size, config.interleave)
-    if block_size is None:
-        raise ValueError(
-            f"the FlashInfer lowering reads each rank's KV as pages of whole local blocks: page size {config.page_size} "
-            f"with interleave {config.interleave} over dcp_size {config.dcp_size} does not map onto them. Use a page "
-            "size that is a multiple of interleave x dcp_size, or interleave == page size"
-        )
-    return block_size
+    return layout.require_local_block_size(config.page_size, config.dcp_size, config.interleave,
+                                           "the FlashInfer lowering (its CSR page list)")
 
 
 class LowerFlashInferAttention(GraphPass):

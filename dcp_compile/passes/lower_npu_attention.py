@@ -34,6 +34,11 @@ rebuilt every step and read by every layer (61 x 64 MiB), while the split adds
 B*k*H*k*1088 MACs = 1.1 GMAC per layer (0.01% of the 9.3 TMAC of the FIA call) and reads
 B*k*16 rows; so the split.
 
+Both calls run sparse_mode 0 without a mask, also verify's at up to 16 queries a row: every query
+of a row sees every key it is given, so no mask is needed. The CANN tiling source accepts mode 0
+for MLA (ASCEND.md §1.4, CheckFeatureMask), while the op documentation describes Q_S > 1 with
+mode 3; the stand-in follows the source. Not yet run on Ascend hardware.
+
 The lengths FIA takes are host lists (SymInt[], §1.6): they become graph inputs (placeholders
 `dcp_local_len_<b>` etc., tagged meta['dcp_host_input']) that the backend feeds from the
 runtime's host metadata on every call, so changing lengths never recompiles and the FIA node
@@ -84,13 +89,8 @@ def attention_update_op():
 
 
 def fia_block_size(config: PassConfig) -> int:
-    block_size = layout.local_block_size(config.page_size, config.dcp_size, config.interleave)
-    if block_size is None:
-        raise ValueError(
-            f"the NPU lowering reads each rank's KV through FIA's block table, which needs pages that map onto whole "
-            f"local blocks: page size {config.page_size} with interleave {config.interleave} over dcp_size "
-            f"{config.dcp_size} does not. Use a page size of block_size x dcp_size (interleave 1) or interleave == page size"
-        )
+    block_size = layout.require_local_block_size(config.page_size, config.dcp_size, config.interleave,
+                                                 "the NPU lowering (FIA's block table)")
     if block_size % 16 or not 0 < block_size <= FIA_MAX_BLOCK_SIZE:
         raise ValueError(
             f"FIA's block_size must be a multiple of 16 and at most {FIA_MAX_BLOCK_SIZE} (ASCEND.md §1.4); page size "

@@ -61,6 +61,18 @@ def local_block_size(page_size: int, dcp_size: int, interleave: int = 1) -> int 
     return None
 
 
+def require_local_block_size(page_size: int, dcp_size: int, interleave: int, reader: str) -> int:
+    """local_block_size, or a ValueError saying that `reader` (a paged kernel) cannot read the shard."""
+    block_size = local_block_size(page_size, dcp_size, interleave)
+    if block_size is None:
+        raise ValueError(
+            f"{reader} reads each rank's KV as whole local blocks: page size {page_size} with interleave {interleave} "
+            f"over dcp_size {dcp_size} does not map onto them. Use a page size that is a multiple of interleave x "
+            "dcp_size (block_size x dcp_size at interleave 1), or interleave == page size"
+        )
+    return block_size
+
+
 def local_blocks_of_page(page: int, page_size: int, dcp_size: int, interleave: int = 1) -> list[tuple[int, int]]:
     """(rank, local block id) for each rank that holds rows of logical page `page`."""
     if page_size % (interleave * dcp_size) == 0:

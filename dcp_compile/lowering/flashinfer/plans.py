@@ -82,9 +82,8 @@ class FlashInferPlan:
         self.id = len(_PLANS)
         _PLANS.append(self)
         self.wrapper = None
-        self.planned_for: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        """(query lens, kv lens) of the last plan()."""
         self.planned_host: RankHostMetadata | None = None
+        """The host metadata of the last plan()."""
         self._staged: torch.cuda.Event | None = None
 
     def _make_wrapper(self):
@@ -94,6 +93,11 @@ class FlashInferPlan:
             ("qo_indptr", spec.rows + 1), ("kv_indptr", spec.rows + 1),
             ("kv_indices", max(spec.rows * spec.blocks_per_row, 1)), ("kv_len_arr", spec.rows))}
         return wrapper_class(_workspace(device), use_cuda_graph=True, backend="fa3", **buffers)
+
+    @property
+    def planned_for(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(query lens, kv lens) of the last plan()."""
+        return None if self.planned_host is None else self.lengths(self.planned_host)
 
     def lengths(self, host: RankHostMetadata) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(query lens, kv lens) this plan takes from a step's host metadata."""
@@ -133,7 +137,7 @@ class FlashInferPlan:
         if spec.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record()
-        self.planned_for, self.planned_host = (query_lens, kv_lens), host
+        self.planned_host = host
 
     def check_planned(self, host: RankHostMetadata) -> None:
         """Raise if the last plan was not made for this step's lengths (debug mode)."""
@@ -144,7 +148,7 @@ class FlashInferPlan:
             )
 
     def run(self, q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor):
-        if self.planned_for is None:
+        if self.planned_host is None:
             raise RuntimeError("this graph's FlashInfer attention ran before it was planned: run the model through "
                                "dcp_compile.apply's module with the batch's host metadata")
         spec = self.spec
