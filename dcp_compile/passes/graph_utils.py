@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+import operator
 import weakref
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import map_arg
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def fake_value(node):
@@ -156,3 +158,60 @@ def replace_attention(graph: fx.Graph, node: fx.Node, returns_lse: bool, out: fx
         check_replacement(node, out, pass_name)
         node.replace_all_uses_with(out)
     graph.erase_node(node)
+
+
+_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                       operator.irshift, operator.imatmul, operator.setitem}
+
+
+def _in_place_name(target) -> bool:
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+def written_arguments(node: fx.Node) -> list:
+    """The arguments `node` writes in place: the tensor of an in-place method or function
+    (`buf.add_(1)`, `torch.relu_(x)`, `x += 1`, `x[i] = v`), an `out=` tensor, or the mutable
+    arguments of an op overload's schema. Empty for a node that writes nothing."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    written = []
+    if isinstance(node.target, torch._ops.OpOverload):
+        for i, argument in enumerate(node.target._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                written.append(node.args[i] if i < len(node.args) else node.kwargs.get(argument.name))
+    elif node.args and (_in_place_name(node.target) or node.target in _IN_PLACE_OPERATORS):
+        written.append(node.args[0])
+    out = node.kwargs.get("out")
+    written.extend(out if isinstance(out, (tuple, list)) else [out] if out is not None else [])
+    return [w for w in written if w is not None]
+
+
+def keeps_state(node: fx.Node) -> bool:
+    """Whether dead-code elimination must keep `node` although nothing reads its result: FX's
+    own impurity (placeholders, outputs, mutable op overloads, side-effectful functions), or a
+    write into a tensor, which FX's rule misses for methods (`self.counter.add_(1)`)."""
+    return node.is_impure() or bool(written_arguments(node))
+
+
+def _storage(value):
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+
+
+def mutated_inputs(graph: fx.Graph) -> set[str]:
+    """Names of the graph inputs (placeholders, and attributes read with get_attr) whose memory
+    some node writes: a model's KV caches, its counters and its other state."""
+    inputs = {}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            storage = _storage(fake_value(node))
+            if storage is not None:
+                inputs.setdefault(storage, node.name)
+    mutated = set()
+    for node in graph.nodes:
+        for written in written_arguments(node):
+            storage = _storage(fake_value(written)) if isinstance(written, fx.Node) else None
+            if storage in inputs:
+                mutated.add(inputs[storage])
+    return mutated

@@ -20,14 +20,14 @@ from dcp_compile.passes.check_locations import CheckLocations
 from dcp_compile.passes.check_metadata import CheckMetadata
 from dcp_compile.passes.gather_kv_attention import GatherKVAttention
 from dcp_compile.passes.cleanup import Cleanup
-from dcp_compile.passes.graph_utils import normalize_meta, op_counts
+from dcp_compile.passes.graph_utils import mutated_inputs, normalize_meta, op_counts
 from dcp_compile.passes.local_metadata import LocalMetadata
 from dcp_compile.passes.lower_flashinfer_attention import LowerFlashInferAttention
 from dcp_compile.passes.lower_kernels import LowerKernels
 from dcp_compile.passes.lower_npu_attention import LowerNPUAttention
 from dcp_compile.passes.rewrite_attention import RewriteAttention
 from dcp_compile.passes.shard_kv_write import ShardKVWrite
-from dcp_compile.passes.verify import Verify
+from dcp_compile.passes.verify import CAPTURED_MUTATIONS, Verify
 
 log = logging.getLogger("dcp_compile.passes")
 
@@ -93,6 +93,7 @@ class PassManager:
 
     def run(self, gm: fx.GraphModule) -> PassReport:
         normalize_meta(gm.graph)
+        gm.meta[CAPTURED_MUTATIONS] = mutated_inputs(gm.graph)
         graph_index, self.graphs_run = self.graphs_run, self.graphs_run + 1
         records = []
         for order, graph_pass in enumerate(self.passes):

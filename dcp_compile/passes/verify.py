@@ -1,7 +1,11 @@
-"""Verify the rewritten graph: FX lint, then shape propagation with fake tensors.
+"""Verify the rewritten graph: FX lint, the state it writes, then shape propagation with fake
+tensors.
 
-Guarantees: every node's recorded fake value matches what propagation computes, in shape and
-dtype; a pass that built an ill-typed graph fails here, at compile time, not at run time.
+Guarantees: every graph input the captured graph wrote in place (KV caches, a model's counters
+and buffers) is still written (the pass manager records them before the first pass, in
+gm.meta[CAPTURED_MUTATIONS]); every node's recorded fake value matches what propagation
+computes, in shape and dtype. A pass that dropped a mutation or built an ill-typed graph fails
+here, at compile time, not at run time.
 
 Propagation runs each distinct (op, input metadata) once: the layers of a model repeat the same
 ops on the same shapes, so a 61-layer graph costs about one layer of fake-tensor dispatch plus a
@@ -15,7 +19,11 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import UncacheableValue, fake_mode_of, fake_signature, fake_value, is_fake_result
+from dcp_compile.passes.graph_utils import (UncacheableValue, fake_mode_of, fake_signature, fake_value, is_fake_result,
+                                            mutated_inputs, written_arguments)
+
+CAPTURED_MUTATIONS = "dcp_captured_mutations"
+"""gm.meta key: names of the inputs the graph wrote as captured, before any pass ran."""
 
 
 class GraphVerificationError(RuntimeError):
@@ -34,11 +42,6 @@ def _same(expected, got) -> bool:
 _ORDERING_ONLY = (torch.ops._c10d_functional.wait_tensor.default, torch.ops._c10d_functional.wait_tensor)
 
 
-def _in_place(target) -> bool:
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")
-
-
 class _SharedFakeTensorProp(FakeTensorProp):
     """FakeTensorProp that reuses the result of an earlier node with the same op and the same
     input metadata. Only pure call_function/call_method nodes with static shapes (and collective
@@ -52,7 +55,7 @@ class _SharedFakeTensorProp(FakeTensorProp):
         self._signatures: dict[fx.Node, object] = {}
 
     def _key(self, node: fx.Node):
-        if node.op not in ("call_function", "call_method") or _in_place(node.target):
+        if node.op not in ("call_function", "call_method") or written_arguments(node):
             return None
         if isinstance(node.target, torch._ops.HigherOrderOperator):
             return None
@@ -99,6 +102,12 @@ class Verify(GraphPass):
 
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         gm.graph.lint()
+        lost = sorted(gm.meta.get(CAPTURED_MUTATIONS, set()) - mutated_inputs(gm.graph))
+        if lost:
+            raise GraphVerificationError(
+                f"the captured graph wrote {lost} in place, and the rewritten graph no longer does: a pass dropped a "
+                "state update of the model (a counter, a cache, a buffer)"
+            )
         mode = fake_mode_of(gm.graph)
         if mode is None:
             return 0

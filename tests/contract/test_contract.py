@@ -16,6 +16,7 @@ from dcp_compile.passes.cache_use import CacheMisuseError
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.launch import spawn
 from tests.contract.model import ContractModel, step_args
+from tests.contract.stateful import StatefulModel, expected_state, new_state, observed_state, run_steps
 
 PREFILLS = 1000
 
@@ -157,7 +158,15 @@ def _dcp_two(rank: int, world: int) -> dict:
     results["mixed_gather_q"] = _outcome(mixed_dtypes("gather-q"))
     results["mixed_gather_kv"] = _outcome(mixed_dtypes("gather-kv"))
     results["misuse"] = _outcome(lambda: one_step(dcp_compile.apply(ContractModel(tp_size=2, misuse="read"), 2)))
+    def state_updates():
+        reference, reference_state = dcp_compile.apply(StatefulModel(tp_size=2), 1), new_state()
+        model, state = dcp_compile.apply(StatefulModel(tp_size=2), 2), new_state()
+        expected, got = run_steps(reference, reference_state), run_steps(model, state)
+        return {"state": observed_state(model, state), "reference_state": observed_state(reference, reference_state),
+                "max_diff": max((a - b).abs().max().item() for a, b in zip(got, expected))}
+
     results["different_batches"] = _outcome(different_batches)
+    results["state_updates"] = _outcome(state_updates)
     model = dcp_compile.apply(ContractModel(layers=1, tp_size=2, capacity=8192), 2)
     shapes = run_prefills(model, 2 * 8192)
     results["prefills"] = ("ok", {"shapes": len(shapes), "graphs": len(dcp_compile.state(model).reports)})
@@ -196,6 +205,14 @@ def test_ranks_given_different_batches_get_a_clear_error(dcp_two):
     for rank in dcp_two:
         status, message = rank["different_batches"]
         assert status == "ValueError" and "same step with the same batch" in message
+
+
+def test_state_updates_survive_at_dcp_two(dcp_two):
+    for rank in dcp_two:
+        status, result = rank["state_updates"]
+        assert status == "ok", result
+        assert result["state"] == result["reference_state"] == expected_state()
+        assert result["max_diff"] < 1e-5
 
 
 def test_bucketed_prefills_compile_a_few_graphs_at_dcp_two(dcp_two):
