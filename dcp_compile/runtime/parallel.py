@@ -10,8 +10,10 @@ Rank convention (one, used everywhere):
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -30,15 +32,28 @@ class ParallelState:
     dcp_group_name: str | None = None
 
 
-def _group(ranks: list[int]) -> dist.ProcessGroup:
-    """new_group is collective over the world, so every rank creates every block in one order."""
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The timeout a process group's collectives wait for a peer (None where its backend does not
+    say). dist.new_group does not inherit it: a subgroup gets torch's default of 30 minutes."""
+    for device_type in group._device_types:
+        try:
+            return group._get_backend(torch.device(device_type)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def _group(ranks: list[int], timeout: datetime.timedelta | None) -> dist.ProcessGroup:
+    """new_group is collective over the world, so every rank creates every block in one order.
+    The group waits `timeout` for a stalled peer, by default the world group's timeout."""
     world = dist.distributed_c10d._get_default_group()
     if _GROUPS_WORLD[0] is not world:
         _GROUPS.clear()
         _GROUPS_WORLD[0] = world
-    key = tuple(ranks)
+    timeout = timeout if timeout is not None else group_timeout(world)
+    key = (tuple(ranks), timeout)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(ranks)
+        _GROUPS[key] = dist.new_group(ranks, timeout=timeout)
     return _GROUPS[key]
 
 
@@ -58,8 +73,9 @@ def validate_sizes(tp_size: int, dcp_size: int, world_size: int) -> None:
         )
 
 
-def build(tp_size: int, dcp_size: int = 1) -> ParallelState:
-    """Create (or reuse) the TP and DCP groups for this rank. Collective: call on every rank."""
+def build(tp_size: int, dcp_size: int = 1, timeout: datetime.timedelta | None = None) -> ParallelState:
+    """Create (or reuse) the TP and DCP groups for this rank. Collective: call on every rank.
+    Their collectives fail after `timeout` waiting for a peer: by default the world group's."""
     if not dist.is_initialized():
         validate_sizes(tp_size, dcp_size, 1)
         return ParallelState(tp_size=1, tp_rank=0, dcp_size=1, dcp_rank=0)
@@ -67,9 +83,9 @@ def build(tp_size: int, dcp_size: int = 1) -> ParallelState:
     validate_sizes(tp_size, dcp_size, world)
     tp_name = dcp_name = None
     for tp_ranks in _blocks(list(range(world)), tp_size):
-        tp_group = _group(tp_ranks) if tp_size > 1 else None
+        tp_group = _group(tp_ranks, timeout) if tp_size > 1 else None
         for dcp_ranks in _blocks(tp_ranks, dcp_size):
-            dcp_group = _group(dcp_ranks) if dcp_size > 1 else None
+            dcp_group = _group(dcp_ranks, timeout) if dcp_size > 1 else None
             if rank in dcp_ranks and dcp_group is not None:
                 dcp_name = dcp_group.group_name
         if rank in tp_ranks and tp_group is not None:

@@ -101,6 +101,52 @@ def test_after_a_caught_error_the_next_step_is_an_error_on_every_rank(bad_ranks)
     assert time.time() - start < 2 * COMPILING_TIMEOUT_S + MARGIN_S
 
 
+def _stall_in_forward(rank, world, dcp_size, done_path):
+    """Rank 1 fails its step before the step's first collective and stays up, logging, as a
+    server would; rank 0 is left inside that collective: the TP all-reduce at dcp_size 1, the
+    DCP group's Q all-gather at dcp_size 2. Returns rank 0's error and how long its step took."""
+    model = dcp_compile.apply(ContractModel(tp_size=2), dcp_size)
+    batch = RequestTable(2, 32, 512).extend_batch([0, 1], [[1, 2, 3], [4]])
+    if rank == 1:
+        batch.out_loc[0] = -1
+        with pytest.raises(IndexError):
+            model(*step_args(batch))
+        deadline = time.time() + 120  # the old 30-minute subgroup timeout: held until rank 0 is done
+        while not os.path.exists(done_path) and time.time() < deadline:
+            time.sleep(0.1)
+        return None
+    start = time.time()
+    try:
+        model(*step_args(batch))
+        outcome = ("ok", "")
+    except Exception as exc:  # the collective's timeout, asserted by the test
+        outcome = (type(exc).__name__, str(exc).splitlines()[0])
+    elapsed = time.time() - start
+    open(done_path, "w").close()
+    return outcome, elapsed
+
+
+@pytest.mark.parametrize("dcp_size", [1, 2], ids=["tp-group-all-reduce", "dcp-group-all-gather"])
+def test_a_peer_stalled_inside_the_models_collectives_fails_within_the_timeout(dcp_size, tmp_path):
+    start = time.time()
+    (outcome, elapsed), _ = spawn(_stall_in_forward, 2, dcp_size, str(tmp_path / "done"), timeout=TIMEOUT_S)
+    assert outcome[0] in ("DistBackendError", "RuntimeError") and "timed out" in outcome[1].lower(), outcome
+    assert elapsed < TIMEOUT_S + 10
+    assert time.time() - start < TIMEOUT_S + MARGIN_S
+
+
+def test_every_group_takes_the_world_groups_timeout():
+    assert spawn(_group_timeouts, 2, timeout=7.0) == [[7.0, 7.0, 2.5]] * 2
+
+
+def _group_timeouts(rank, world):
+    groups = dist.distributed_c10d
+    default = parallel.build(2, 2)
+    explicit = parallel.build(2, 1, timeout=datetime.timedelta(seconds=2.5))
+    return [parallel.group_timeout(groups._resolve_process_group(name)).total_seconds()
+            for name in (default.tp_group_name, default.dcp_group_name, explicit.tp_group_name)]
+
+
 def _all_reduce_sum(rank, world):
     t = torch.ones(1)
     dist.all_reduce(t)
