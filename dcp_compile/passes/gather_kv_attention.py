@@ -45,7 +45,6 @@ class GatherKVAttention(GraphPass):
             key = (site.req_to_token, site.seq_lens)
             if key not in local:
                 raise RuntimeError("gather_kv_attention found an MLA site with no local metadata: run local_metadata first")
-            batch, width = fake_value(site.req_to_token).shape
             row_dim = fake_value(site.cache).shape[-1]
             with graph.inserting_before(site.node):
                 if key not in gathered:
@@ -54,7 +53,7 @@ class GatherKVAttention(GraphPass):
                 local_page, local_lens = (call(graph, operator.getitem, local[key], i) for i in range(2))
                 rows = call(graph, sites.GATHER_LOCAL_ROWS, site.cache, local_page, local_lens)
                 rows = call(graph, c10d.wait_tensor.default, call(graph, c10d.all_gather_into_tensor.default, rows, n, group))
-                rows = call(graph, torch.ops.aten.view.default, rows, [n * batch * width, row_dim])
+                rows = call(graph, torch.ops.aten.view.default, rows, [-1, row_dim])  # N*B*L rows; B may be symbolic
                 partial = call(graph, sites.PARTIAL_ATTENTION, site.q_latent, site.q_rope, rows, *gathered[key],
                                site.q_seq_ids, site.q_positions, site.sm_scale)
                 out = call(graph, operator.getitem, partial, 0)

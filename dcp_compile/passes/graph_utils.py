@@ -115,6 +115,13 @@ def call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
     return node
 
 
+def size_of(graph: fx.Graph, node: fx.Node, dim: int):
+    """Dimension `dim` of node's value as a node argument: the int of a static size, or a
+    sym_size node (at the insertion point) for a symbolic one, which no argument may hold itself."""
+    size = fake_value(node).shape[dim]
+    return size if isinstance(size, int) else call(graph, torch.ops.aten.sym_size.int, node, dim)
+
+
 def op_name(node: fx.Node) -> str:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):

@@ -24,7 +24,7 @@ import torch.fx as fx
 from dcp_compile.lowering.registry import LAUNCHERS, triton_op
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import call, fake_value
+from dcp_compile.passes.graph_utils import call, fake_value, size_of
 
 aten = torch.ops.aten
 
@@ -63,10 +63,10 @@ class LowerKernels(GraphPass):
             graph.erase_node(site.node)
             lowered += 1
         for site in sites.find_attention_sites(graph):
-            batch, width = fake_value(site.req_to_token).shape
+            width = fake_value(site.req_to_token).shape[1]
             with graph.inserting_before(site.node):
                 columns = call(graph, aten.arange.default, width, dtype=fake_value(site.req_to_token).dtype, device=device)
-                positions = call(graph, aten.expand.default, columns, [batch, width])
+                positions = call(graph, aten.expand.default, columns, [size_of(graph, site.req_to_token, 0), width])
                 partial = call(graph, triton_op("mla_partial_attention"), site.q_latent, site.q_rope, site.cache,
                                site.req_to_token, site.seq_lens, positions, site.q_seq_ids, site.q_positions, site.sm_scale)
                 out = call(graph, operator.getitem, partial, 0)

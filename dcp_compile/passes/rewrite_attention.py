@@ -63,14 +63,15 @@ class RewriteAttention(GraphPass):
             meta = metadata.get((site.req_to_token, site.seq_lens))
             if meta is None:
                 raise RuntimeError("rewrite_attention found an MLA site with no local metadata: run local_metadata first")
-            tokens, heads, rank_dim = fake_value(site.q_latent).shape
+            _, heads, rank_dim = fake_value(site.q_latent).shape
             row_dim = rank_dim + fake_value(site.q_rope).shape[-1]
             with graph.inserting_before(site.node):
                 q = call(graph, aten.cat.default, [site.q_latent, site.q_rope], -1)
                 q = call(graph, c10d.wait_tensor.default, call(graph, c10d.all_gather_into_tensor.default, q, n, group))
-                q = call(graph, aten.view.default, q, [n, tokens, heads, row_dim])
+                # -1 for the token count: a symbolic graph's is a SymInt, which no node argument may hold.
+                q = call(graph, aten.view.default, q, [n, -1, heads, row_dim])
                 q = call(graph, aten.transpose.int, q, 0, 1)
-                q = call(graph, aten.reshape.default, q, [tokens, n * heads, row_dim])
+                q = call(graph, aten.reshape.default, q, [-1, n * heads, row_dim])
                 q_latent = _as_dtype(graph, call(graph, aten.slice.Tensor, q, -1, 0, rank_dim), fake_value(site.q_latent).dtype)
                 q_rope = _as_dtype(graph, call(graph, aten.slice.Tensor, q, -1, rank_dim, row_dim), fake_value(site.q_rope).dtype)
                 local = [call(graph, operator.getitem, meta, i) for i in range(3)]

@@ -35,11 +35,12 @@ class ContractModel(nn.Module):
     rope_in_fp32: keep q_rope (and k_rope) in fp32 while q_latent is in the model dtype.
     misuse: None, 'read' (layer 1 reads its cache with its own attention) or 'write' (layer 1
     writes its cache itself).
+    heads: attention heads of the full model (fewer make long prefills cheap to test).
     keep_caches: hold the pool's cache tensors from __init__ (stale after apply reshards).
     """
 
     def __init__(self, layers=2, capacity=512, dtype=torch.float32, tp_size=1, seed=0, rope_in_fp32=False,
-                 misuse=None, keep_caches=False):
+                 misuse=None, keep_caches=False, heads=HEADS):
         super().__init__()
         self.parallel = parallel.build(tp_size)
         self.kv_pool = MLAKVPool(layers, capacity, RANK_DIM, ROPE_DIM, dtype)
@@ -47,7 +48,7 @@ class ContractModel(nn.Module):
         self.caches = [self.kv_pool.cache(i) for i in range(layers)] if keep_caches else None
         gen = torch.Generator().manual_seed(seed)
         tp, rank = self.parallel.tp_size, self.parallel.tp_rank
-        heads = HEADS // tp
+        full_heads, heads = heads, heads // tp
 
         def weight(*shape, shard_dim=None):
             full = torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
@@ -56,9 +57,9 @@ class ContractModel(nn.Module):
             return nn.Parameter(full.to(dtype).contiguous(), requires_grad=False)
 
         self.embed = weight(VOCAB, HIDDEN)
-        self.q = nn.ParameterList(weight(HEADS * (RANK_DIM + ROPE_DIM), HIDDEN, shard_dim=0) for _ in range(layers))
+        self.q = nn.ParameterList(weight(full_heads * (RANK_DIM + ROPE_DIM), HIDDEN, shard_dim=0) for _ in range(layers))
         self.kv = nn.ParameterList(weight(RANK_DIM + ROPE_DIM, HIDDEN) for _ in range(layers))
-        self.o = nn.ParameterList(weight(HIDDEN, HEADS * RANK_DIM, shard_dim=1) for _ in range(layers))
+        self.o = nn.ParameterList(weight(HIDDEN, full_heads * RANK_DIM, shard_dim=1) for _ in range(layers))
         self.head = weight(VOCAB, HIDDEN)
         self.heads = heads
 

@@ -1,8 +1,8 @@
 """The model contract holds for a model of the tests' own (tests/contract/model.py): an outer
 torch.compile keeps DCP on, q_rope in fp32 keeps every dtype, cache access outside the canonical
 ops and stale cache tensors are errors that name the op and the line, the original module cannot
-run after apply, ranks given different batches get a clear error, and bucketed batches compile a
-few graphs over 1,000 distinct prefill lengths. DCP 2 runs in one spawn of two gloo ranks."""
+run after apply, ranks given different batches get a clear error, and a scheduler that never pads
+compiles a few graphs over 1,000 distinct prefill lengths, equal to dcp_size=1 at every step. DCP 2 runs in one spawn of two gloo ranks."""
 
 from __future__ import annotations
 
@@ -27,24 +27,27 @@ def one_step(model, table_rows=4, tokens=([1, 2, 3], [4])):
     return model(*step_args(batch))
 
 
-def run_prefills(model, capacity: int, seed: int = 0) -> set:
+def run_prefills(model, reference, capacity: int, seed: int = 0, bucket: bool = False) -> dict:
     """Prefills of PREFILLS distinct lengths (1..PREFILLS, shuffled) in batches of 1 to 4 rows,
-    bucketed; each request is freed after its step. Returns the distinct batch shapes run."""
+    never padded (or bucketed), on `model` and `reference` in lockstep over one request table;
+    each request is freed after its step. Returns the distinct batch shapes run, the largest
+    logits difference and whether every logit was finite."""
     rng = random.Random(seed)
     lengths = list(range(1, PREFILLS + 1))
     rng.shuffle(lengths)
     table = RequestTable(4, PREFILLS, capacity)
-    shapes = set()
+    shapes, max_diff, finite = set(), 0.0, True
     while lengths:
         rows = min(rng.randint(1, 4), len(lengths))
         batch_lengths, lengths = lengths[:rows], lengths[rows:]
-        batch = table.extend_batch(list(range(rows)), [[1] * n for n in batch_lengths], bucket=True)
+        batch = table.extend_batch(list(range(rows)), [[1 + n % 50] * n for n in batch_lengths], bucket=bucket)
         shapes.add((batch.input_ids.shape[0], batch.rows))
-        logits = model(*step_args(batch))
-        assert torch.isfinite(logits).all()
+        logits, expected = model(*step_args(batch)), reference(*step_args(batch))
+        max_diff = max(max_diff, (logits - expected).abs().max().item())
+        finite = finite and bool(torch.isfinite(logits).all())
         for request in range(rows):
             table.truncate(request, 0)
-    return shapes
+    return {"shapes": len(shapes), "max_diff": max_diff, "finite": finite}
 
 
 # --- dcp_size 1, in this process -------------------------------------------------------------
@@ -112,11 +115,17 @@ def test_out_of_pool_location_names_the_location_and_range():
         model(*step_args(batch))
 
 
-def test_bucketed_prefills_compile_a_few_graphs_at_dcp_size_one():
-    model = dcp_compile.apply(ContractModel(layers=1, capacity=8192), 1)
-    shapes = run_prefills(model, 8192)
-    graphs = len(dcp_compile.state(model).reports)
-    assert graphs == len(shapes) <= 40  # log2 buckets of tokens x rows, not one per length
+MAX_PREFILL_GRAPHS = 8
+
+
+def test_unpadded_prefills_of_1000_lengths_compile_a_few_graphs_at_dcp_size_one():
+    """A scheduler that never pads: every prefill a new token count, all served by a few
+    symbolic-shape graphs, each output equal to the eager model's."""
+    model = dcp_compile.apply(ContractModel(layers=1, capacity=8192, heads=2), 1)
+    result = run_prefills(model, ContractModel(layers=1, capacity=8192, heads=2), 8192)
+    assert result["shapes"] > 300 and result["finite"]
+    assert len(dcp_compile.state(model).reports) <= MAX_PREFILL_GRAPHS
+    assert result["max_diff"] < 1e-5
 
 
 # --- dcp_size 2: one spawn of two gloo ranks --------------------------------------------------
@@ -167,9 +176,11 @@ def _dcp_two(rank: int, world: int) -> dict:
 
     results["different_batches"] = _outcome(different_batches)
     results["state_updates"] = _outcome(state_updates)
-    model = dcp_compile.apply(ContractModel(layers=1, tp_size=2, capacity=8192), 2)
-    shapes = run_prefills(model, 2 * 8192)
-    results["prefills"] = ("ok", {"shapes": len(shapes), "graphs": len(dcp_compile.state(model).reports)})
+    model = dcp_compile.apply(ContractModel(layers=1, tp_size=2, capacity=8192, heads=2), 2)
+    reference = dcp_compile.apply(ContractModel(layers=1, tp_size=2, capacity=8192, heads=2), 1)
+    prefills = run_prefills(model, reference, 8192)
+    results["prefills"] = ("ok", {**prefills, "graphs": len(dcp_compile.state(model).reports),
+                                  "reference_graphs": len(dcp_compile.state(reference).reports)})
     return results
 
 
@@ -215,7 +226,9 @@ def test_state_updates_survive_at_dcp_two(dcp_two):
         assert result["max_diff"] < 1e-5
 
 
-def test_bucketed_prefills_compile_a_few_graphs_at_dcp_two(dcp_two):
+def test_unpadded_prefills_of_1000_lengths_compile_a_few_graphs_at_dcp_two(dcp_two):
     for rank in dcp_two:
-        counts = rank["prefills"][1]
-        assert counts["graphs"] <= 2 * counts["shapes"] <= 80  # per shape: gather-q and gather-kv at most
+        result = rank["prefills"][1]
+        assert result["shapes"] > 300 and result["finite"]
+        assert result["graphs"] <= MAX_PREFILL_GRAPHS and result["reference_graphs"] <= MAX_PREFILL_GRAPHS
+        assert result["max_diff"] < 1e-5
