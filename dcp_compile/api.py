@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dcp_compile import cost_model
+from dcp_compile import cost_model, shapes
 from dcp_compile.backend import DCPBackend
 from dcp_compile.config import DCPConfig
 from dcp_compile.passes.cache_use import CacheMisuseError
@@ -60,7 +60,8 @@ MAX_PAGED_QUERY_TOKENS = min(MAX_FIA_QUERY_TOKENS, MAX_WINDOW_QUERY_TOKENS)
 """Query tokens per row that the paged lowerings (FIA; FlashInfer under DCP) serve in gather-q."""
 
 RECOMPILE_LIMIT = 256
-"""Graphs are static-shape (one per batch shape and strategy), so allow many per model."""
+"""Static-shape graphs (paged kernels, graph capture) are one per batch shape and strategy, so
+allow many per model."""
 ACCUMULATED_RECOMPILE_LIMIT = 1 << 14
 """Dynamo counts the graphs of one forward() over every instance of the model class: a process
 that builds several models (a DCP and a dcp_size=1 one, or test after test) must not share 256."""
@@ -73,6 +74,28 @@ def _raise_recompile_limit() -> None:
                         ("accumulated_cache_size_limit", ACCUMULATED_RECOMPILE_LIMIT)):
         if hasattr(config, name) and getattr(config, name) < limit:
             setattr(config, name, limit)
+
+
+MAX_AGREED_SHAPES = 4096
+"""Batch shapes whose agreement among DCP peers is remembered (then checked anew)."""
+
+
+def static_shapes(config: DCPConfig, strategy: str) -> bool:
+    """Whether a strategy's graphs are compiled per batch shape: where FIA or FlashInfer serve
+    attention over the pool (their rows and tokens are planned on the host per graph), and under
+    torchair's NPU graphs. Everything else runs symbolic-shape graphs (dcp_compile/shapes.py)."""
+    paged = config.kernels in ("npu", "flashinfer") and strategy == "gather-q"
+    return paged or config.inner_compile == "torchair"
+
+
+class _Variant:
+    """A strategy's backend under a distinct identity: one per (strategy, static or symbolic)."""
+
+    def __init__(self, backend: DCPBackend):
+        self.backend = backend
+
+    def __call__(self, gm, example_inputs):
+        return self.backend(gm, example_inputs)
 
 
 def _location_error_flag(device: torch.device):
@@ -104,8 +127,11 @@ class DCPModel(nn.Module):
         _raise_recompile_limit()
         self.model = model
         self.dcp_state = state
-        self._compiled = {name: torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
-                          for name, backend in state.backends.items()}
+        # A static and a symbolic-shape variant per strategy. They share the strategy's backend
+        # (its pass manager and reports) through distinct callables: dynamo keys its cache by
+        # the backend object, so a static call never reuses a symbolic graph.
+        self._compiled = {(name, symbolic): torch.compile(model, backend=_Variant(backend), fullgraph=True, dynamic=False)
+                          for name, backend in state.backends.items() for symbolic in (False, True)}
         self._agreed_shapes: set[tuple] = set()
         self._failure: str | None = None
         self._location_check = None
@@ -114,10 +140,11 @@ class DCPModel(nn.Module):
         model.register_forward_pre_hook(_refuse_direct_calls)
 
     def compiled(self, strategy: str = "gather-q"):
-        """The compiled step of one strategy, for callers that fix it (graph capture)."""
-        if strategy not in self._compiled:
-            raise ValueError(f"no {strategy!r} variant; this model has {sorted(self._compiled)}")
-        compiled, model = self._compiled[strategy], self.model
+        """The compiled step of one strategy with static shapes, for callers that fix it (graph
+        capture: one graph per batch bucket)."""
+        if (strategy, False) not in self._compiled:
+            raise ValueError(f"no {strategy!r} variant; this model has {sorted(self.dcp_state.backends)}")
+        compiled, model = self._compiled[(strategy, False)], self.model
 
         def step(*args, **kwargs):
             model._dcp_step_running = True
@@ -198,7 +225,11 @@ class DCPModel(nn.Module):
         state.host_slot.current = host_metadata
         self.model._dcp_step_running = True
         try:
-            return self._compiled[decision.strategy](*args, **kwargs)
+            if static_shapes(state.config, decision.strategy):
+                return self._compiled[(decision.strategy, False)](*args, **kwargs)
+            args, kwargs = shapes.symbolic_batch(args, kwargs)
+            with shapes.distinct_sizes():
+                return self._compiled[(decision.strategy, True)](*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as exc:
             # The passes' own errors say what is wrong with the model or the batch: surface them as
             # they are, not wrapped in dynamo's compiler-failure report.
@@ -207,8 +238,9 @@ class DCPModel(nn.Module):
             raise
         except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
             raise RuntimeError(
-                f"this model compiled {RECOMPILE_LIMIT} graphs, one per distinct batch shape: pad batches to a few "
-                "shapes (RequestTable.extend_batch(..., bucket=True) rounds tokens and rows up to powers of two)"
+                f"this model compiled {RECOMPILE_LIMIT} graphs, one per distinct batch shape (kernels="
+                f"{state.config.kernels!r} plans each shape on the host): pad batches to a few shapes "
+                "(RequestTable.extend_batch(..., bucket=True) rounds tokens and rows up to powers of two)"
             ) from exc
         finally:
             self.model._dcp_step_running = False
@@ -224,6 +256,8 @@ class DCPModel(nn.Module):
         key = (tuple(tuple(t.shape) for t in tensors), cost_model.STRATEGIES.index(strategy))
         if key in self._agreed_shapes:
             return
+        if len(self._agreed_shapes) >= MAX_AGREED_SHAPES:  # a scheduler that never pads: bounded memory
+            self._agreed_shapes.clear()
         signature = torch.tensor([hash(key) & ((1 << 62) - 1)], dtype=torch.int64, device=tensors[0].device)
         group = dist.distributed_c10d._resolve_process_group(state.parallel.dcp_group_name)
         gathered = torch.empty(state.config.dcp_size, dtype=torch.int64, device=signature.device)
@@ -248,6 +282,8 @@ class DCPModel(nn.Module):
             meta = metadata(*args, **kwargs)
             host = HostMetadata.from_tensors(meta["req_to_token"], meta["seq_lens"], meta["q_seq_ids"],
                                              config.dcp_size, config.interleave, pool.page_size)
+        else:
+            host.check_batch([a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)])
         expected = (config.dcp_size, config.interleave, pool.page_size)
         if (host.dcp_size, host.interleave, host.page_size) != expected:
             raise ValueError(

@@ -22,7 +22,8 @@ class ForwardBatch:
     out_loc [T] (where its KV goes; 0 = padding), req_to_token [B, L], seq_lens [B] (length
     including this step's tokens; 0 for a padded row), state_slots [B] (recurrent-state slot of
     each row for non-MLA layers; 0 = padding), logits_index [B] (token whose logits row b gets).
-    `host` is the host-side local metadata (not a model input; see runtime/host_metadata.py).
+    `host` is the host-side local metadata (not a model input; see runtime/host_metadata.py),
+    bound to this batch's tensors.
     """
 
     input_ids: torch.Tensor
@@ -34,6 +35,10 @@ class ForwardBatch:
     state_slots: torch.Tensor
     logits_index: torch.Tensor
     host: HostMetadata | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.host is not None:
+            self.host.bind(*self.args())
 
     def args(self) -> tuple[torch.Tensor, ...]:
         """The model's inputs, in forward() order."""

@@ -170,7 +170,7 @@ class GraphRunner:
         width = template.req_to_token.shape[1]
         inputs = ForwardBatch.empty(width).padded(bucket, tokens_per_row).to(self.graphs.device)
         if template.host is not None:
-            inputs.host = HostMetadata.empty_like(template.host, width).padded(bucket, tokens_per_row)
+            inputs.host = HostMetadata.empty_like(template.host, width).padded(bucket, tokens_per_row).bind(*inputs.args())
         if self.host_slot is not None:
             self.host_slot.fia_args = self.host_slot.plans = None
         graph, output = self.graphs.capture(lambda: self._run(inputs))

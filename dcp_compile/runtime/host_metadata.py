@@ -13,9 +13,10 @@ schedulers of their own, and as the oracle the incremental version is tested aga
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_compile.runtime import layout
 
@@ -47,9 +48,25 @@ class RankHostMetadata:
         return list(itertools.accumulate(self.query_lens))
 
 
+class StaleHostMetadataError(ValueError):
+    """Host metadata given with a batch it was not built for, or a batch changed after it was."""
+
+
+_SERIALS = itertools.count(1)
+_BOUND: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Batch tensor -> (serial of the HostMetadata built for it, the tensor's version then)."""
+
+
 @dataclass(frozen=True)
 class HostMetadata:
-    """A batch's host-side local metadata for every rank of the DCP group."""
+    """A batch's host-side local metadata for every rank of the DCP group.
+
+    It is bound to the tensors of the batch it describes (`bind`; RequestTable's batches and
+    from_tensors bind theirs, ForwardBatch.to and padded bind the copies they make), and a
+    compiled model checks the binding on the host before each step (`check_batch`): metadata
+    of another step, a copy with changed lengths or tables, or a batch tensor changed in place
+    after the metadata was built would make a paged kernel read wrong keys without any error.
+    """
 
     dcp_size: int
     interleave: int
@@ -61,6 +78,45 @@ class HostMetadata:
     """[N][B]"""
     block_tables: torch.Tensor | None
     """[N, B, W] int32 on the host."""
+    serial: int = field(init=False, compare=False, repr=False)
+    """This object's identity in batch bindings: a copy made with dataclasses.replace gets a new one."""
+    _table_version: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "serial", next(_SERIALS))
+        object.__setattr__(self, "_table_version", self.block_tables._version if self.block_tables is not None else 0)
+
+    def bind(self, *tensors: torch.Tensor) -> "HostMetadata":
+        """Declare `tensors` (as they are now) the batch this metadata describes."""
+        for tensor in tensors:
+            _BOUND[tensor] = (self.serial, tensor._version)
+        return self
+
+    def check_batch(self, tensors) -> None:
+        """Raise StaleHostMetadataError unless this metadata was built for these batch tensors and
+        neither they nor its block tables changed since. O(tensors) on the host, no device sync."""
+        bound = False
+        for tensor in tensors:
+            binding = _BOUND.get(tensor)
+            if binding is None:
+                continue
+            serial, version = binding
+            if serial != self.serial:
+                raise StaleHostMetadataError(
+                    "stale host metadata: host_metadata belongs to another batch (a previous step's, or a copy with "
+                    "changed lengths or tables); pass the host metadata of this step's batch (batch.host)")
+            if tensor._version != version:
+                raise StaleHostMetadataError(
+                    "stale host metadata: a batch tensor was changed in place after its host metadata was built; build "
+                    "the batch again (RequestTable.extend_batch) instead of editing it")
+            bound = True
+        if not bound:
+            raise StaleHostMetadataError(
+                "stale host metadata: host_metadata was not built for this batch's tensors; pass batch.host with "
+                "batch.args() (a ForwardBatch from RequestTable), or HostMetadata.from_tensors(...) of these tensors, "
+                "or declare them with host.bind(...)")
+        if self.block_tables is not None and self.block_tables._version != self._table_version:
+            raise StaleHostMetadataError("stale host metadata: its block tables were changed in place after it was built")
 
     @property
     def rows(self) -> int:
@@ -125,7 +181,8 @@ class HostMetadata:
             prefix_lens.append(tuple((valid & (positions < first_query[:, None])).sum(dim=1).tolist()))
             if tables is not None:
                 tables[rank] = _blocks_of(rows, lens, block_size, blocks)
-        return cls(dcp_size, interleave, page_size, tuple(query_lens), tuple(local_lens), tuple(prefix_lens), tables)
+        host = cls(dcp_size, interleave, page_size, tuple(query_lens), tuple(local_lens), tuple(prefix_lens), tables)
+        return host.bind(req_to_token, seq_lens, q_seq_ids)
 
 
 def _blocks_of(local_rows: torch.Tensor, local_lens: torch.Tensor, block_size: int, blocks: int) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""Host metadata is bound to the batch it was built from: under the paged kernels (FIA and
+FlashInfer on their CPU stand-ins), a step given another step's host metadata, a copy with a
+shortened local length, or a wrong block table is an error in the default mode (no debug
+checks), caught on the host before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import dcp_compile
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.runtime.batch import RequestTable
+from dcp_compile.runtime.host_metadata import HostMetadata, StaleHostMetadataError
+
+PAGE = 16
+KERNELS = {"npu": ("tiny-512", torch.bfloat16), "flashinfer": ("tiny", torch.float32)}
+
+
+@pytest.fixture(scope="module", params=sorted(KERNELS))
+def served(request):
+    """A model under a paged lowering that has run a prefill, its request table and a fresh decode batch."""
+    name, dtype = KERNELS[request.param]
+    model = dcp_compile.apply(MLAModel(preset(name), 1024, max_requests=2, dtype=dtype, page_size=PAGE), 1,
+                              kernels=request.param)
+    table = RequestTable(2, 64, 1024, PAGE)
+    prefill = table.extend_batch([0, 1], [[1] * 5, [2] * 20])
+    model(*prefill.args(), host_metadata=prefill.host)
+    return model, table, prefill
+
+
+def _decode(table):
+    return table.extend_batch([0, 1], [[3], [4]])
+
+
+def test_the_right_metadata_runs(served):
+    model, table, _ = served
+    batch = _decode(table)
+    assert torch.isfinite(model(*batch.args(), host_metadata=batch.host)).all()
+
+
+def test_the_previous_steps_metadata_is_an_error(served):
+    model, table, prefill = served
+    batch = _decode(table)
+    with pytest.raises(StaleHostMetadataError, match="belongs to another batch"):
+        model(*batch.args(), host_metadata=prefill.host)
+
+
+def test_a_shortened_local_length_is_an_error(served):
+    model, table, _ = served
+    batch = _decode(table)
+    lens = batch.host.local_seq_lens
+    shortened = dataclasses.replace(batch.host, local_seq_lens=((lens[0][0] - 1,) + lens[0][1:],))
+    with pytest.raises(StaleHostMetadataError, match="belongs to another batch"):
+        model(*batch.args(), host_metadata=shortened)
+
+
+def test_a_wrong_block_table_is_an_error(served):
+    model, table, _ = served
+    batch = _decode(table)
+    swapped = dataclasses.replace(batch.host, block_tables=batch.host.block_tables.flip(1).contiguous())
+    with pytest.raises(StaleHostMetadataError, match="belongs to another batch"):
+        model(*batch.args(), host_metadata=swapped)
+    batch = _decode(table)
+    batch.host.block_tables[0, 0, 0] += 1  # edited in place
+    with pytest.raises(StaleHostMetadataError, match="block tables were changed in place"):
+        model(*batch.args(), host_metadata=batch.host)
+
+
+def test_a_batch_tensor_edited_after_its_metadata_is_an_error(served):
+    model, table, _ = served
+    batch = _decode(table)
+    batch.seq_lens[0] -= 1
+    with pytest.raises(StaleHostMetadataError, match="changed in place"):
+        model(*batch.args(), host_metadata=batch.host)
+
+
+def test_metadata_made_by_hand_must_be_bound(served):
+    model, table, _ = served
+    batch = _decode(table)
+    host = batch.host
+    by_hand = HostMetadata(host.dcp_size, host.interleave, host.page_size, host.query_lens, host.local_seq_lens,
+                           host.local_prefix_lens, host.block_tables)
+    with pytest.raises(StaleHostMetadataError, match="belongs to another batch"):
+        model(*batch.args(), host_metadata=by_hand)
+    copies = [t.clone() for t in batch.args()]  # bound to no metadata
+    with pytest.raises(StaleHostMetadataError, match="not built for this batch"):
+        model(*copies, host_metadata=by_hand)
+    assert torch.isfinite(model(*copies, host_metadata=by_hand.bind(*copies))).all()
+    rebuilt = HostMetadata.from_tensors(batch.req_to_token, batch.seq_lens, batch.q_seq_ids, 1, 1, PAGE)
+    assert rebuilt.local_seq_lens == host.local_seq_lens and torch.equal(rebuilt.block_tables, host.block_tables)
+    rebuilt.bind(*batch.args())
+    assert torch.isfinite(model(*batch.args(), host_metadata=rebuilt)).all()
