@@ -16,7 +16,7 @@ from dcp_compile.config import DCPConfig
 from dcp_compile.passes.cache_use import CacheMisuseError
 from dcp_compile.passes.graph_utils import RewriteError
 from dcp_compile.passes.manager import check_pass_names
-from dcp_compile.runtime import layout, parallel
+from dcp_compile.runtime import guards, layout, parallel
 from dcp_compile.passes.lower_flashinfer_attention import MAX_WINDOW_QUERY_TOKENS
 from dcp_compile.runtime.host_metadata import MAX_FIA_QUERY_TOKENS, HostMetadata, HostSlot
 from dcp_compile.runtime.kv_pool import CapacityReport, MLAKVPool
@@ -98,13 +98,6 @@ class _Variant:
         return self.backend(gm, example_inputs)
 
 
-def _location_error_flag(device: torch.device):
-    """The Triton KV writer's flag for `device` (a tensor's device: 'cuda:0', not 'cuda'), if
-    that writer has run there."""
-    kv_writer = sys.modules.get("dcp_compile.lowering.triton.kv_writer")
-    return kv_writer._LOCATION_ERROR_FLAGS.get(torch.device(device)) if kv_writer is not None else None
-
-
 def _refuse_direct_calls(module: nn.Module, args) -> None:
     """Forward pre-hook on a module passed to apply(): only the DCPModel may run it."""
     if not getattr(module, "_dcp_step_running", False):
@@ -134,8 +127,8 @@ class DCPModel(nn.Module):
                           for name, backend in state.backends.items() for symbolic in (False, True)}
         self._agreed_shapes: set[tuple] = set()
         self._failure: str | None = None
-        self._location_check = None
-        self._host_flag: torch.Tensor | None = None
+        self._error_check = None
+        self._host_flags: torch.Tensor | None = None
         model._dcp_step_running = False
         model.register_forward_pre_hook(_refuse_direct_calls)
 
@@ -166,9 +159,9 @@ class DCPModel(nn.Module):
                 "step's collectives, so this model runs no more steps: restart the ranks"
             )
         try:
-            self._raise_on_dropped_locations(wait=False)
+            self._raise_on_errors(wait=False)
             out = self._step(args, kwargs, host_metadata)
-            self._watch_locations()
+            self._watch_errors()
             return out
         except BaseException as exc:
             # With collectives, a rank that goes on after a failed step would pair its next
@@ -178,41 +171,42 @@ class DCPModel(nn.Module):
                 self._failure = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             raise
 
-    def _watch_locations(self) -> None:
-        """Start reading back the Triton KV writer's location-error flag without waiting for it:
-        a step's dropped out-of-pool location is reported at the next step (at once on CPU)."""
-        flag = _location_error_flag(self.dcp_state.kv_pool.cache(0).device)
-        if flag is None:
+    def _watch_errors(self) -> None:
+        """Start reading back this device's error flags (runtime/guards.py: bad batch input a
+        kernel masked) without waiting for them: a step's error is reported at the next step
+        (at once on CPU, where reading costs nothing)."""
+        flags = guards.allocated_flags(self.dcp_state.kv_pool.cache(0).device)
+        if flags is None:
             return
-        if flag.device.type == "cpu":  # reading it costs nothing: check now
-            self._location_check = (flag, None)
-            self._raise_on_dropped_locations(wait=True)
+        if flags.device.type == "cpu":
+            self._error_check = (flags, None)
+            self._raise_on_errors(wait=True)
             return
-        if self._host_flag is None:  # pinned once: no host allocation per step
-            self._host_flag = torch.zeros(1, dtype=flag.dtype, pin_memory=True)
-        self._host_flag.copy_(flag, non_blocking=True)  # the flag is sticky: a newer copy covers older steps
-        event = getattr(torch, flag.device.type).Event()
+        if self._host_flags is None:  # pinned once: no host allocation per step
+            self._host_flags = torch.zeros(flags.shape, dtype=flags.dtype, pin_memory=True)
+        self._host_flags.copy_(flags, non_blocking=True)  # the flags are sticky: a newer copy covers older steps
+        event = getattr(torch, flags.device.type).Event()
         event.record()
-        self._location_check = (self._host_flag, event)
+        self._error_check = (self._host_flags, event)
 
-    def _raise_on_dropped_locations(self, wait: bool) -> None:
-        if self._location_check is None:
+    def _raise_on_errors(self, wait: bool) -> None:
+        if self._error_check is None:
             return
-        host, event = self._location_check
+        host, event = self._error_check
         if event is not None and not wait and not event.query():
             return  # not read back yet: checked at a later step
         if event is not None:
             event.synchronize()
-        self._location_check = None
-        if int(host[0]):
-            _location_error_flag(self.dcp_state.kv_pool.cache(0).device).zero_()
-            raise IndexError("a KV write location outside the pool was given in this or the previous step: the KV "
-                             "writer dropped it (it never writes outside the pool); run with debug_checks=True to "
-                             "see which")
+        self._error_check = None
+        values = host.tolist()
+        if any(values):
+            guards.allocated_flags(self.dcp_state.kv_pool.cache(0).device).zero_()
+            guards.raise_for(values)
 
-    def check_kv_writes(self) -> None:
-        """Wait for the last step's location-error flag and raise if it was set."""
-        self._raise_on_dropped_locations(wait=True)
+    def check_errors(self) -> None:
+        """Wait for the last step's error flags and raise if one was set (steps replayed by a
+        GraphRunner do not pass through the model: call this there from time to time)."""
+        self._raise_on_errors(wait=True)
 
     def _step(self, args, kwargs, host_metadata):
         state = self.dcp_state
@@ -284,6 +278,11 @@ class DCPModel(nn.Module):
                                              config.dcp_size, config.interleave, pool.page_size)
         else:
             host.check_batch([a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)])
+        block_size = layout.local_block_size(pool.page_size, config.dcp_size, config.interleave)
+        if block_size and host.max_block >= pool.rows_per_rank // block_size:
+            raise IndexError(f"the host block tables name local block {host.max_block}, but a rank's KV shard holds "
+                             f"{pool.rows_per_rank // block_size} blocks of {block_size}: the request table hands out "
+                             "locations past the pool (build it with the pool's capacity)")
         expected = (config.dcp_size, config.interleave, pool.page_size)
         if (host.dcp_size, host.interleave, host.page_size) != expected:
             raise ValueError(

@@ -51,7 +51,7 @@ def test_the_triton_writer_drops_an_out_of_pool_location_and_the_step_fails():
     caches = [model.dcp_state.kv_pool.cache(i).clone() for i in range(3)]
     with pytest.raises(IndexError, match="outside the pool"):
         model(*batch.args())
-        model.check_kv_writes()
+        model.check_errors()
     assert all(torch.equal(model.dcp_state.kv_pool.cache(i)[-1], caches[i][-1]) for i in range(3))
     assert model(*_batch().to(device).args()).isfinite().all()  # the flag was cleared; dcp_size 1 runs on
-    model.check_kv_writes()
+    model.check_errors()

@@ -19,6 +19,7 @@ from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.check_locations import CheckLocations
 from dcp_compile.passes.check_metadata import CheckMetadata
 from dcp_compile.passes.gather_kv_attention import GatherKVAttention
+from dcp_compile.passes.guard_batch import GuardBatch
 from dcp_compile.passes.cleanup import Cleanup
 from dcp_compile.passes.graph_utils import mutated_inputs, normalize_meta, op_counts
 from dcp_compile.passes.local_metadata import LocalMetadata
@@ -33,13 +34,13 @@ log = logging.getLogger("dcp_compile.passes")
 
 
 def default_passes() -> list[GraphPass]:
-    return [CheckLocations(), CheckMetadata(), ShardKVWrite(), LocalMetadata(), RewriteAttention(),
+    return [CheckLocations(), CheckMetadata(), GuardBatch(), ShardKVWrite(), LocalMetadata(), RewriteAttention(),
             GatherKVAttention(), LowerNPUAttention(), LowerFlashInferAttention(),
             LowerKernels(), Cleanup(), Verify()]
 
 
 PASS_NAMES = tuple(p.name for p in default_passes())
-ALWAYS_ON = ("verify",)
+ALWAYS_ON = ("guard_batch", "verify")
 
 
 @dataclass

@@ -80,6 +80,8 @@ class _SharedFakeTensorProp(FakeTensorProp):
             return None
 
     def run_node(self, n: fx.Node):
+        if n.op == "get_attr" and isinstance(fake_value(n), torch._subclasses.fake_tensor.FakeTensor):
+            return fake_value(n)  # a buffer a pass registered (its fake value was recorded then)
         key = self._key(n)
         hit = self._results.get(key) if key is not None else None
         if hit is not None:

@@ -81,10 +81,21 @@ class HostMetadata:
     serial: int = field(init=False, compare=False, repr=False)
     """This object's identity in batch bindings: a copy made with dataclasses.replace gets a new one."""
     _table_version: int = field(init=False, compare=False, repr=False)
+    max_block: int = field(init=False, compare=False, repr=False)
+    """The largest local block id in the block tables (-1 without any): what a paged kernel may read."""
 
     def __post_init__(self):
         object.__setattr__(self, "serial", next(_SERIALS))
-        object.__setattr__(self, "_table_version", self.block_tables._version if self.block_tables is not None else 0)
+        tables = self.block_tables
+        object.__setattr__(self, "_table_version", tables._version if tables is not None else 0)
+        object.__setattr__(self, "max_block", int(tables.max()) if tables is not None and tables.numel() else -1)
+        if tables is not None:
+            block_size = layout.local_block_size(self.page_size, self.dcp_size, self.interleave)
+            cover = tables.shape[-1] * block_size
+            longest = max((max(lens, default=0) for lens in self.local_seq_lens), default=0)
+            if longest > cover or tables.min() < 0:
+                raise ValueError(f"host block tables of {tables.shape[-1]} blocks of {block_size} cover {cover} local keys "
+                                 f"a row, with ids >= 0; a local length is {longest}, the smallest id {int(tables.min())}")
 
     def bind(self, *tensors: torch.Tensor) -> "HostMetadata":
         """Declare `tensors` (as they are now) the batch this metadata describes."""

@@ -174,7 +174,14 @@ def _dcp_two(rank: int, world: int) -> dict:
         return {"state": observed_state(model, state), "reference_state": observed_state(reference, reference_state),
                 "max_diff": max((a - b).abs().max().item() for a, b in zip(got, expected))}
 
+    def entry_outside_the_pool():
+        model = dcp_compile.apply(ContractModel(tp_size=2), 2)
+        batch = RequestTable(2, 32, 512).extend_batch([0, 1], [[1, 2, 3], [4]])
+        batch.req_to_token[0, 1] = 5000  # past the DCP 2 pool's 1024 locations: rank 0 would own it
+        return model(*step_args(batch))
+
     results["different_batches"] = _outcome(different_batches)
+    results["entry_outside_the_pool"] = _outcome(entry_outside_the_pool)
     results["state_updates"] = _outcome(state_updates)
     model = dcp_compile.apply(ContractModel(layers=1, tp_size=2, capacity=8192, heads=2), 2)
     reference = dcp_compile.apply(ContractModel(layers=1, tp_size=2, capacity=8192, heads=2), 1)
@@ -216,6 +223,12 @@ def test_ranks_given_different_batches_get_a_clear_error(dcp_two):
     for rank in dcp_two:
         status, message = rank["different_batches"]
         assert status == "ValueError" and "same step with the same batch" in message
+
+
+def test_a_page_table_entry_outside_the_pool_fails_every_rank_at_dcp_two(dcp_two):
+    for rank in dcp_two:
+        status, message = rank["entry_outside_the_pool"]
+        assert status == "IndexError" and r"page-table entry [0, 1] is 5000" in message, message
 
 
 def test_state_updates_survive_at_dcp_two(dcp_two):

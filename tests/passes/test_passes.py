@@ -64,10 +64,29 @@ def test_passes_are_idempotent(graph):
     assert rec_twice.ops("verify", "after") == rec_once.ops("verify", "after")
 
 
-def test_dcp_size_one_is_left_unchanged(graph):
+def test_dcp_size_one_only_gets_the_batch_guard(graph):
     gm, report, rec = run_passes(graph, dcp_size=1)
-    assert all(r.sites == 0 for r in report.records if r.name != "verify")
-    assert rec.ops("verify", "after") == rec.ops("check_locations", "before")
+    assert all(r.sites == 0 for r in report.records if r.name not in ("guard_batch", "verify"))
+    assert report.sites("guard_batch") == 1  # one per distinct metadata, shared by the layers
+    before, after = rec.ops("check_locations", "before"), rec.ops("verify", "after")
+    assert after - before == {"dcp::guard_batch": 1, "getitem": 3} and not before - after
+
+
+@pytest.mark.parametrize("dcp_size", [1, 2])
+def test_every_attention_reads_guarded_metadata(graph, dcp_size):
+    gm, _, _ = run_passes(graph, dcp_size=dcp_size)
+    guards = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.dcp.guard_batch.default]
+    assert len(guards) == 1
+    guard = guards[0]
+    writes = sites.find_kv_writes(gm.graph, sharded=dcp_size > 1)
+    assert guard.args[3] is writes[0].loc  # padded rows are checked against the KV write locations
+    assert guard.args[5] == 128 * dcp_size  # the pool's logical capacity
+    outputs = {user for user in guard.users}
+    consumers = ([s.node for s in sites.find_attention_sites(gm.graph)] if dcp_size == 1 else
+                 [n for n in gm.graph.nodes if n.op == "call_function" and n.target is sites.LOCAL_METADATA])
+    assert consumers and all(set(node.args) & outputs for node in consumers)
+    unguarded = {n for n in gm.graph.nodes if n.op == "placeholder" and ("req_to_token" in n.name or "seq_lens" in n.name)}
+    assert all(not (set(node.args) & unguarded) for node in consumers)
 
 
 def test_hybrid_linear_attention_layers_untouched():

@@ -94,3 +94,20 @@ def test_metadata_made_by_hand_must_be_bound(served):
     assert rebuilt.local_seq_lens == host.local_seq_lens and torch.equal(rebuilt.block_tables, host.block_tables)
     rebuilt.bind(*batch.args())
     assert torch.isfinite(model(*batch.args(), host_metadata=rebuilt)).all()
+
+
+def test_a_block_table_past_the_pool_is_an_error_before_any_kernel_reads(served):
+    model, _, _ = served
+    big = RequestTable(25, 64, 4096, PAGE)  # hands out locations past the model's 1024
+    for request in range(25):
+        big.append(request, 48)
+    batch = big.extend_batch([23, 24], [[1] * 3, [2] * 3])  # their pages lie past the pool
+    assert batch.host.max_block >= 1024 // PAGE
+    with pytest.raises(IndexError, match="name local block .* past the pool"):
+        model(*batch.args(), host_metadata=batch.host)
+
+
+def test_host_tables_shorter_than_a_length_are_an_error():
+    host = RequestTable(1, 64, 1024, PAGE).extend_batch([0], [[1] * 20]).host
+    with pytest.raises(ValueError, match="cover 64 local keys a row"):
+        dataclasses.replace(host, local_seq_lens=((65,),))

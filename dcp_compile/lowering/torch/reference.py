@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_compile.runtime import layout
+from dcp_compile.runtime import guards, layout
 
 
 def check_write_locations(loc: torch.Tensor, num_rows: int, dcp_size: int, interleave: int) -> None:
@@ -22,6 +22,58 @@ def check_write_locations(loc: torch.Tensor, num_rows: int, dcp_size: int, inter
             f"KV write location {first} is outside the pool: valid locations are 1..{capacity - 1} "
             f"({num_rows} rows per rank x dcp_size {dcp_size}); location 0 is reserved for padding"
         )
+
+
+def guard_batch(req_to_token, seq_lens, q_seq_ids, out_loc, flags, capacity: int):
+    """The batch metadata attention reads, made safe: every page-table entry in use inside the
+    pool [1, capacity), seq_lens inside [0, width], row ids inside [0, rows); and no token of a
+    padded row (seq_len 0) writing KV. On the CPU a violation raises at once; on a device it is
+    masked (see sanitize_batch) and its error flag set in `flags` without a host sync
+    (runtime/guards.py). Returns (req_to_token, seq_lens, q_seq_ids)."""
+    table, lens, ids, found = sanitize_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity)
+    if req_to_token.device.type == "cpu":
+        _raise_bad_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity, found)
+    else:
+        for name, bad in found.items():
+            flags[guards.INDEX[name]].bitwise_or_(bad.any().to(flags.dtype))
+    return table, lens, ids
+
+
+def sanitize_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity: int):
+    """(req_to_token, seq_lens, q_seq_ids) with every violation masked, and a bool tensor per
+    error kind of runtime.guards marking where it occurred. Masked: a bad page-table entry reads
+    location 0 (reserved, inside the pool), lengths clamp to [0, width], row ids to [0, rows)."""
+    batch, width = req_to_token.shape
+    bad_lens = (seq_lens < 0) | (seq_lens > width)
+    lens = seq_lens.clamp(0, width)
+    in_use = torch.arange(width, device=req_to_token.device)[None, :] < lens[:, None]
+    bad_entries = in_use & ((req_to_token < 1) | (req_to_token >= capacity))
+    bad_ids = (q_seq_ids < 0) | (q_seq_ids >= batch)
+    ids = q_seq_ids.clamp(0, max(batch - 1, 0))
+    padded_writes = torch.zeros_like(bad_ids)
+    if out_loc is not None and out_loc.shape == q_seq_ids.shape and batch:
+        padded_writes = (lens.index_select(0, ids) == 0) & (out_loc != layout.PADDING_LOC)
+    found = {"page_table_entry": bad_entries, "seq_len": bad_lens, "row_id": bad_ids, "padded_row_write": padded_writes}
+    return torch.where(bad_entries, layout.PADDING_LOC, req_to_token), lens, ids, found
+
+
+def _raise_bad_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity: int, found: dict) -> None:
+    if bool(found["seq_len"].any()):
+        row = int(found["seq_len"].nonzero()[0])
+        raise ValueError(f"seq_lens[{row}] is {int(seq_lens[row])}: sequence lengths must lie in [0, "
+                         f"{req_to_token.shape[1]}] (the page table's width)")
+    if bool(found["page_table_entry"].any()):
+        row, position = found["page_table_entry"].nonzero()[0].tolist()
+        raise IndexError(f"page-table entry [{row}, {position}] is {int(req_to_token[row, position])}, in use by a row of "
+                         f"seq_len {int(seq_lens[row])}: locations in use must lie in 1..{capacity - 1} (the pool; "
+                         "location 0 is reserved for padding)")
+    if bool(found["row_id"].any()):
+        token = int(found["row_id"].nonzero()[0])
+        raise ValueError(f"q_seq_ids[{token}] is {int(q_seq_ids[token])}: row ids must lie in [0, {req_to_token.shape[0]})")
+    if bool(found["padded_row_write"].any()):
+        token = int(found["padded_row_write"].nonzero()[0])
+        raise ValueError(f"row {int(q_seq_ids[token])} has seq_len 0 (a padded row) but its token {token} writes KV at "
+                         f"location {int(out_loc[token])}: a real row's seq_len counts its tokens, this step's included")
 
 
 def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, interleave: int = 1) -> None:

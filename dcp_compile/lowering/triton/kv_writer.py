@@ -3,8 +3,8 @@
 Matches `reference.kv_write`: location 0 (padding) and locations another rank owns are
 skipped; an owned location `loc` lands on local row (loc // (I*N)) * I + loc % I, the math of
 `runtime.layout` (repeated here because a kernel cannot call Python). A location outside the
-pool is never written: the kernel drops the token and sets this device's location-error flag
-(`location_error_flag`), which the compiled model reads back without stalling the step and
+pool is never written: the kernel drops the token and sets this device's `write_location` error
+flag (runtime/guards.py), which the compiled model reads back without stalling the step and
 reports as an error (api.DCPModel); the torch reference raises at once.
 """
 
@@ -15,19 +15,13 @@ import triton
 import triton.language as tl
 
 from dcp_compile.lowering.triton.launching import block_size, check_float, check_index, check_same_device, grid_for
-from dcp_compile.runtime import layout
-
-
-_LOCATION_ERROR_FLAGS: dict[torch.device, torch.Tensor] = {}
+from dcp_compile.runtime import guards, layout
 
 
 def location_error_flag(device: torch.device) -> torch.Tensor:
-    """This device's flag, int32 [1]: set to 1 by any write of a location outside its pool.
-    Allocated once and never moved, so captured graphs keep writing the same buffer."""
-    device = torch.device(device)
-    if device not in _LOCATION_ERROR_FLAGS:
-        _LOCATION_ERROR_FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _LOCATION_ERROR_FLAGS[device]
+    """This device's `write_location` flag (a view of runtime.guards.error_flags), int32 [1]."""
+    index = guards.INDEX["write_location"]
+    return guards.error_flags(device)[index : index + 1]
 
 
 @triton.jit(do_not_specialize=["tokens", "dcp_rank", "capacity"])
