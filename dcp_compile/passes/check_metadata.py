@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import call, fake_value
+from dcp_compile.passes.graph_utils import call, fake_value, maybe_same_shape
 
 
 class CheckMetadata(GraphPass):
@@ -37,7 +37,7 @@ class CheckMetadata(GraphPass):
             key = (site.req_to_token, site.seq_lens, site.q_seq_ids, site.q_positions)
             if key not in checked:
                 tokens = fake_value(site.q_positions).shape
-                out_loc = next((w.loc for w in writes if fake_value(w.loc).shape == tokens), None)
+                out_loc = next((w.loc for w in writes if maybe_same_shape(fake_value(w.loc).shape, tokens)), None)
                 with gm.graph.inserting_before(site.node):
                     checked[key] = call(gm.graph, sites.CHECK_METADATA, *key, out_loc)
                 rewritten += 1

@@ -9,6 +9,7 @@ import weakref
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_arg
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -115,6 +116,18 @@ def call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
     return node
 
 
+def same_shape(a, b) -> bool:
+    """Whether two shapes are provably equal, static or symbolic, without adding a guard (a
+    compare of SymInts would specialise the graph on its outcome)."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def maybe_same_shape(a, b) -> bool:
+    """Whether two shapes may be equal: in a symbolic graph, independent sizes (each input's own
+    symbol) are not provably equal, but may well be at run time."""
+    return len(a) == len(b) and not any(statically_known_true(x != y) for x, y in zip(a, b))
+
+
 def size_of(graph: fx.Graph, node: fx.Node, dim: int):
     """Dimension `dim` of node's value as a node argument: the int of a static size, or a
     sym_size node (at the insertion point) for a symbolic one, which no argument may hold itself."""
@@ -145,7 +158,7 @@ def check_replacement(replaced: fx.Node, replacement: fx.Node, pass_name: str) -
     old, new = fake_value(replaced), fake_value(replacement)
     if not isinstance(old, torch.Tensor) or not isinstance(new, torch.Tensor):
         return
-    if old.dtype != new.dtype or tuple(old.shape) != tuple(new.shape):
+    if old.dtype != new.dtype or not same_shape(old.shape, new.shape):
         raise RewriteError(
             f"{pass_name} replaced {replaced.format_node()} ({old.dtype}, {tuple(old.shape)}) with a value of "
             f"{new.dtype}, {tuple(new.shape)}"

@@ -1,14 +1,17 @@
 """Guard each attention's batch metadata, in every mode: what attention reads lies in the pool.
 
     before: mla_attention(q, q_rope, cache, req_to_token, seq_lens, ids, pos, s)
-    after:  table, lens, ids2 = dcp.guard_batch(req_to_token, seq_lens, ids, out_loc, flags, capacity)  # once
+    after:  table, lens, ids2 = dcp.guard_batch(req_to_token, seq_lens, ids, out_loc, capacity)  # once
             mla_attention(q, q_rope, cache, table, lens, ids2, pos, s)
 
-`flags` is this device's error flags (runtime/guards.py), a buffer of the graph module; capacity
-is the pool's logical capacity (its rows per rank over the DCP group).
+capacity is the pool's logical capacity (its rows per rank over the DCP group). On a device the
+guard sets that device's error flags (runtime/guards.py); it is a registered side effect, so
+dead-code elimination keeps it where a lowering reads none of its outputs (paged kernels read
+host block tables).
 
 Assumes: the canonical graph (this pass runs before the DCP rewrites); out_loc is the KV write
-locations when they are one per query token.
+locations where they may be one per query token (a symbolic graph's sizes cannot be told equal
+before run time: the guard checks the padded rows where they are).
 Guarantees: every kernel after it reads page-table entries inside the pool and lengths and row
 ids in range, whatever the batch; a violation raises on the CPU (every rank alike) and sets a
 device flag elsewhere (raised at the next step), so a bad batch is never silently served. One
@@ -25,25 +28,10 @@ import torch.fx as fx
 
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import call, fake_mode_of, fake_value
-from dcp_compile.runtime import guards, layout
+from dcp_compile.passes.graph_utils import call, fake_value, maybe_same_shape
+from dcp_compile.runtime import layout
 
 GUARD_BATCH = torch.ops.dcp.guard_batch.default
-FLAGS_ATTRIBUTE = "dcp_error_flags"
-
-
-def _flags(gm: fx.GraphModule, device: torch.device) -> fx.Node:
-    existing = next((n for n in gm.graph.nodes if n.op == "get_attr" and n.target == FLAGS_ATTRIBUTE), None)
-    if existing is not None:
-        return existing
-    flags = guards.error_flags(device)
-    gm.register_buffer(FLAGS_ATTRIBUTE, flags, persistent=False)
-    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
-    with gm.graph.inserting_before(first):
-        node = gm.graph.get_attr(FLAGS_ATTRIBUTE)
-    mode = fake_mode_of(gm.graph)
-    node.meta["val"] = mode.from_tensor(flags, static_shapes=True) if mode is not None else flags
-    return node
 
 
 def _guarded(node) -> bool:
@@ -64,12 +52,11 @@ class GuardBatch(GraphPass):
             key = (site.req_to_token, site.seq_lens, site.q_seq_ids)
             if key not in guarded:
                 tokens = fake_value(site.q_seq_ids).shape
-                out_loc = next((w.loc for w in writes if fake_value(w.loc).shape == tokens), None)
+                out_loc = next((w.loc for w in writes if maybe_same_shape(fake_value(w.loc).shape, tokens)), None)
                 rows = fake_value(site.cache).shape[0]
                 capacity = layout.logical_capacity(rows, config.dcp_size, config.interleave)
-                flags = _flags(gm, fake_value(site.req_to_token).device)
                 with graph.inserting_before(site.node):
-                    guard = call(graph, GUARD_BATCH, *key, out_loc, flags, capacity)
+                    guard = call(graph, GUARD_BATCH, *key, out_loc, capacity)
                     guarded[key] = tuple(call(graph, operator.getitem, guard, i) for i in range(3))
             table, lens, ids = guarded[key]
             site.node.replace_input_with(site.req_to_token, table)

@@ -20,7 +20,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import (UncacheableValue, fake_mode_of, fake_signature, fake_value, is_fake_result,
-                                            mutated_inputs, written_arguments)
+                                            mutated_inputs, same_shape, written_arguments)
 
 CAPTURED_MUTATIONS = "dcp_captured_mutations"
 """gm.meta key: names of the inputs the graph wrote as captured, before any pass ran."""
@@ -32,7 +32,7 @@ class GraphVerificationError(RuntimeError):
 
 def _same(expected, got) -> bool:
     if isinstance(expected, torch.Tensor) and isinstance(got, torch.Tensor):
-        return tuple(expected.shape) == tuple(got.shape) and expected.dtype == got.dtype
+        return same_shape(expected.shape, got.shape) and expected.dtype == got.dtype
     if isinstance(expected, (tuple, list)) and isinstance(got, (tuple, list)):
         return len(expected) == len(got) and all(_same(e, g) for e, g in zip(expected, got))
     return True
@@ -80,8 +80,6 @@ class _SharedFakeTensorProp(FakeTensorProp):
             return None
 
     def run_node(self, n: fx.Node):
-        if n.op == "get_attr" and isinstance(fake_value(n), torch._subclasses.fake_tensor.FakeTensor):
-            return fake_value(n)  # a buffer a pass registered (its fake value was recorded then)
         key = self._key(n)
         hit = self._results.get(key) if key is not None else None
         if hit is not None:

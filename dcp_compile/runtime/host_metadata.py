@@ -88,12 +88,13 @@ class HostMetadata:
         object.__setattr__(self, "serial", next(_SERIALS))
         tables = self.block_tables
         object.__setattr__(self, "_table_version", tables._version if tables is not None else 0)
-        object.__setattr__(self, "max_block", int(tables.max()) if tables is not None and tables.numel() else -1)
-        if tables is not None:
+        object.__setattr__(self, "max_block", -1)
+        if tables is not None and tables.numel():
+            object.__setattr__(self, "max_block", int(tables.max()))
             block_size = layout.local_block_size(self.page_size, self.dcp_size, self.interleave)
             cover = tables.shape[-1] * block_size
             longest = max((max(lens, default=0) for lens in self.local_seq_lens), default=0)
-            if longest > cover or tables.min() < 0:
+            if longest > cover or int(tables.min()) < 0:
                 raise ValueError(f"host block tables of {tables.shape[-1]} blocks of {block_size} cover {cover} local keys "
                                  f"a row, with ids >= 0; a local length is {longest}, the smallest id {int(tables.min())}")
 

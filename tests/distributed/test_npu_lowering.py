@@ -39,7 +39,8 @@ def test_npu_lowering_matches_dcp_size_one(scenario):
     assert result["tokens_match"]
     assert sum(result["tokens_stored_per_dcp_rank"]) == result["tokens_total"]
     assert result["pass_summary"]["lower_npu_attention"] > 0
-    # One compile per (batch shape, strategy), whatever the lengths did.
-    assert result["graphs_captured"] == result["graph_keys"]
+    # At most one compile per (batch shape, strategy), whatever the lengths did: FIA's graphs are
+    # static per shape, the gather-kv ones symbolic (one serves several shapes).
+    assert 0 < result["graphs_captured"] <= result["graph_keys"]
     if scenario.mode == "extend":
         assert result["strategy_counts"]["gather-kv"] >= 1

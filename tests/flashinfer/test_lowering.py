@@ -230,7 +230,7 @@ def test_dcp2_matches_dcp1(scenario):
     assert result["finite"] and result["outputs_match"] and result["tokens_match"]
     assert result["max_abs_diff"] < result["tolerance"]
     assert result["pass_summary"]["lower_flashinfer_attention"] > 0
-    assert result["graphs_captured"] == result["graph_keys"]
+    assert 0 < result["graphs_captured"] <= result["graph_keys"]  # static FlashInfer graphs: one per shape at most
 
 
 # --- Selection and bad input ------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def test_every_attention_reads_guarded_metadata(graph, dcp_size):
     guard = guards[0]
     writes = sites.find_kv_writes(gm.graph, sharded=dcp_size > 1)
     assert guard.args[3] is writes[0].loc  # padded rows are checked against the KV write locations
-    assert guard.args[5] == 128 * dcp_size  # the pool's logical capacity
+    assert guard.args[4] == 128 * dcp_size  # the pool's logical capacity
     outputs = {user for user in guard.users}
     consumers = ([s.node for s in sites.find_attention_sites(gm.graph)] if dcp_size == 1 else
                  [n for n in gm.graph.nodes if n.op == "call_function" and n.target is sites.LOCAL_METADATA])

@@ -24,16 +24,17 @@ def check_write_locations(loc: torch.Tensor, num_rows: int, dcp_size: int, inter
         )
 
 
-def guard_batch(req_to_token, seq_lens, q_seq_ids, out_loc, flags, capacity: int):
+def guard_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity: int):
     """The batch metadata attention reads, made safe: every page-table entry in use inside the
     pool [1, capacity), seq_lens inside [0, width], row ids inside [0, rows); and no token of a
     padded row (seq_len 0) writing KV. On the CPU a violation raises at once; on a device it is
-    masked (see sanitize_batch) and its error flag set in `flags` without a host sync
+    masked (see sanitize_batch) and its device error flag set without a host sync
     (runtime/guards.py). Returns (req_to_token, seq_lens, q_seq_ids)."""
     table, lens, ids, found = sanitize_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity)
     if req_to_token.device.type == "cpu":
         _raise_bad_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity, found)
     else:
+        flags = guards.error_flags(req_to_token.device)
         for name, bad in found.items():
             flags[guards.INDEX[name]].bitwise_or_(bad.any().to(flags.dtype))
     return table, lens, ids
@@ -245,7 +246,7 @@ def check_attention_metadata(req_to_token, seq_lens, q_seq_ids, q_positions, out
         return
     if bool((q_seq_ids < 0).any()) or bool((q_seq_ids >= batch).any()):
         raise ValueError(f"q_seq_ids must lie in [0, {batch}), got {q_seq_ids.tolist()}")
-    if out_loc is not None:
+    if out_loc is not None and out_loc.shape == q_seq_ids.shape:
         writes_kv = (seq_lens[q_seq_ids] == 0) & (out_loc != layout.PADDING_LOC)
         if bool(writes_kv.any()):
             t = int(writes_kv.nonzero()[0])

@@ -1,0 +1,180 @@
+"""Load test: a serving loop under DCP 2 against dcp_size=1, every forward compared, memory watched.
+
+Two gloo ranks (TP 2) each hold the tiny hybrid model twice, at DCP 2 and at dcp_size 1 (same
+seed, same TP). A scripted scheduler that never pads drives both in lockstep for `--steps`
+steps: requests join (a prefill of a random length), leave (their KV released), decode, and
+verify k drafts with a random accept count and the truncation that follows. Every forward's
+logits are compared (fp32: within 1e-5, greedy tokens equal; the DCP model is fed the
+baseline's tokens). Each rank's resident memory is sampled every step; after `--warmup` steps
+it must stay flat (the growth is reported, and a least-squares slope per 100 steps).
+
+    python bench/load_test.py                        # 260 steps, writes bench/results/load_test_cpu.json
+    python bench/load_test.py --steps 60 --no-save   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import dcp_compile
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.runtime import parallel
+from dcp_compile.runtime.batch import RequestTable
+from dcp_compile.runtime.launch import spawn
+
+RESULTS = Path(__file__).parent / "results" / "load_test_cpu.json"
+TOLERANCE = 1e-5
+MAX_REQUESTS, MAX_CONTEXT, KV_ROWS = 8, 512, 8192
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _slope_per_100(values: list[float]) -> float:
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    covariance = sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
+    return 100 * covariance / sum((i - mean_x) ** 2 for i in range(n))
+
+
+class Schedule:
+    """The step kinds and their sizes, drawn from one seed so that every rank runs the same."""
+
+    def __init__(self, seed: int, vocab: int):
+        self.rng, self.vocab = random.Random(seed), vocab
+
+    def next(self, active: dict[int, list[int]], free: list[int]) -> tuple[str, dict]:
+        roll = self.rng.random()
+        if free and (not active or roll < 0.2):
+            joining = free[: self.rng.randint(1, min(3, len(free)))]
+            return "join", {r: [self.rng.randrange(1, self.vocab) for _ in range(self.rng.randint(1, 200))] for r in joining}
+        if active and roll < 0.3:
+            return "leave", {"request": self.rng.choice(sorted(active))}
+        if roll < 0.6:
+            k = self.rng.randint(2, 8)
+            drafts = {r: [self.rng.randrange(1, self.vocab) for _ in range(k - 1)] for r in sorted(active)}
+            return "verify", {"k": k, "drafts": drafts, "accepted": {r: self.rng.randrange(k) for r in sorted(active)}}
+        return "decode", {}
+
+
+def run_on_rank(rank: int, world: int, steps: int, warmup: int, seed: int) -> dict:
+    torch.manual_seed(seed)
+    cfg = preset("tiny")
+    tp = parallel.build(2)
+    models = [dcp_compile.apply(MLAModel(cfg, KV_ROWS, MAX_REQUESTS, par=tp, seed=seed), dcp) for dcp in (1, 2)]
+    tables = [RequestTable(MAX_REQUESTS, MAX_CONTEXT, KV_ROWS, dcp_size=dcp) for dcp in (1, 2)]
+    schedule = Schedule(seed, cfg.vocab_size)
+    active: dict[int, list[int]] = {}  # request -> its tokens so far (the baseline's greedy ones)
+    counts = {"join": 0, "leave": 0, "decode": 0, "verify": 0}
+    forwards = mismatches = flips = 0
+    max_diff, memory, start = 0.0, [], time.perf_counter()
+
+    def forward(requests, tokens, all_logits=False):
+        nonlocal forwards, mismatches, flips, max_diff
+        outs = []
+        for model, table in zip(models, tables):
+            batch = table.extend_batch(requests, tokens, all_logits=all_logits)
+            outs.append(model(*batch.args(), host_metadata=batch.host))
+        base, dcp = outs
+        diff = (base - dcp).abs().max().item()
+        max_diff = max(max_diff, diff)
+        forwards += 1
+        mismatches += diff > TOLERANCE
+        flips += int((base.argmax(-1) != dcp.argmax(-1)).sum())
+        return base
+
+    for step in range(steps):
+        free = [r for r in range(MAX_REQUESTS) if r not in active
+                and all(int(t.seq_lens[r]) == 0 for t in tables)]
+        kind, plan = schedule.next(active, free)
+        if kind in ("decode", "verify") and not active:
+            kind, plan = "join", {free[0]: [1, 2, 3]}
+        if kind == "verify" and any(len(active[r]) + plan["k"] > MAX_CONTEXT - 1 for r in active):
+            kind = "leave"
+            plan = {"request": max(active, key=lambda r: len(active[r]))}
+        if kind == "decode" and any(len(active[r]) + 1 > MAX_CONTEXT - 1 for r in active):
+            kind, plan = "leave", {"request": max(active, key=lambda r: len(active[r]))}
+        counts[kind] += 1
+        if kind == "join":
+            requests = sorted(plan)
+            logits = forward(requests, [plan[r] for r in requests])
+            for row, r in enumerate(requests):
+                active[r] = plan[r] + [int(logits[row].argmax())]
+        elif kind == "leave":
+            for table in tables:
+                table.truncate(plan["request"], 0)
+            del active[plan["request"]]
+        elif kind == "decode":
+            requests = sorted(active)
+            logits = forward(requests, [[active[r][-1]] for r in requests])
+            for row, r in enumerate(requests):
+                active[r].append(int(logits[row].argmax()))
+        else:
+            requests, k = sorted(active), plan["k"]
+            logits = forward(requests, [[active[r][-1]] + plan["drafts"][r] for r in requests], all_logits=True)
+            for row, r in enumerate(requests):
+                m = plan["accepted"][r]
+                kept = int(tables[0].seq_lens[r]) - k + 1 + m
+                for table in tables:
+                    table.truncate(r, kept)
+                active[r] += plan["drafts"][r][:m] + [int(logits[row * k + m].argmax())]
+        memory.append(_resident_mib())
+    steady = memory[warmup:]
+    state = dcp_compile.state(models[1])
+    return {
+        "rank": rank, "forwards": forwards, "mismatches": mismatches, "argmax_flips": flips, "max_abs_diff": max_diff,
+        "steps": counts, "seconds": time.perf_counter() - start,
+        "graphs": {"dcp2": len(state.reports), "dcp1": len(dcp_compile.state(models[0]).reports)},
+        "strategies": dict(state.strategy_counts),
+        "memory_mib": {"after_warmup": steady[0] if steady else None, "end": memory[-1],
+                       "growth_after_warmup": (max(steady) - steady[0]) if steady else None,
+                       "slope_per_100_steps": _slope_per_100(steady)},
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=260)
+    parser.add_argument("--warmup", type=int, default=60, help="steps before memory must stay flat")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-growth-mib", type=float, default=32.0)
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args(argv)
+    ranks = spawn(run_on_rank, 2, args.steps, args.warmup, args.seed, timeout=300)
+    ok = all(r["mismatches"] == 0 and r["argmax_flips"] == 0 and r["memory_mib"]["growth_after_warmup"] <= args.max_growth_mib
+             for r in ranks)
+    result = {
+        "benchmark": "load_test", "command": " ".join([sys.executable, *sys.argv]), "machine": platform.node(),
+        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "steps": args.steps, "warmup": args.warmup, "seed": args.seed, "tolerance": TOLERANCE, "passed": ok,
+        "ranks": ranks,
+    }
+    for r in ranks:
+        mem = r["memory_mib"]
+        print(f"rank {r['rank']}: {r['forwards']} forwards ({r['steps']}), {r['mismatches']} mismatches, "
+              f"{r['argmax_flips']} argmax flips, max |diff| {r['max_abs_diff']:.2e}, graphs {r['graphs']}, "
+              f"memory {mem['after_warmup']:.0f} -> {mem['end']:.0f} MiB after warm-up (growth "
+              f"{mem['growth_after_warmup']:.1f} MiB, slope {mem['slope_per_100_steps']:.2f} MiB/100 steps), "
+              f"{r['seconds']:.0f} s")
+    print("PASS" if ok else "FAIL")
+    if not args.no_save:
+        RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
