@@ -92,7 +92,8 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"),
                    help="ranks on CPU (gloo, default), one CUDA GPU each (NCCL) or one Ascend NPU each (HCCL, needs torch_npu)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help=f"seconds a collective waits for a stalled rank before the run fails (default {DEFAULT_TIMEOUT_S:g})")
+                   help=f"seconds a collective waits for a stalled rank before the run fails (default {DEFAULT_TIMEOUT_S:g}; "
+                        "finite, at most a year)")
     p.add_argument("--launch", default="spawn", choices=("spawn", "torchrun"),
                    help="spawn the ranks here (default), or join the ranks of a torchrun launch, on one node or "
                         "several (every TP group of the world runs the check; rank 0 prints)")

@@ -108,6 +108,8 @@ def read_config(folder: str | Path) -> CheckpointConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object of the model's settings, not {_json_kind(raw)}")
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(MODEL_TYPES)}")
@@ -145,6 +147,13 @@ def read_config(folder: str | Path) -> CheckpointConfig:
     )
     interleaved = True if model_type == "deepseek_v2" else fields.flag("rope_interleave", null_is_false=True)
     return CheckpointConfig(folder, model_type, model, interleaved, _fp8_block(fields))
+
+
+def _json_kind(value) -> str:
+    if value is None:
+        return "JSON null"
+    kinds = ((bool, "a JSON boolean"), ((int, float), "a JSON number"), (str, "a JSON string"), (list, "a JSON array"))
+    return next(kind for types, kind in kinds if isinstance(value, types))
 
 
 def _rope(fields: _Fields) -> tuple[float, YarnScaling | None]:

@@ -21,6 +21,9 @@ import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 300.0
 """Seconds a collective waits for a stalled peer before failing (torch's default is 30 minutes)."""
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+"""A year: the process group computes deadlines in int64 nanoseconds, which a timeout of a few
+centuries (or inf) overflows; no run needs to wait longer than this for a stalled peer."""
 
 
 class RankDiedError(RuntimeError):
@@ -46,8 +49,9 @@ def check_backend(backend: str) -> None:
 
 
 def check_timeout(timeout: float) -> datetime.timedelta:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be a finite number of seconds > 0 and at most {MAX_TIMEOUT_S:.0f} (a year), "
+                         f"got {timeout!r}")
     return datetime.timedelta(seconds=timeout)
 
 

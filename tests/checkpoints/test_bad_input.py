@@ -103,6 +103,19 @@ def test_no_weights_and_no_config(tmp_path, copy_of_v3):
         load_pretrained(copy_of_v3, kv_capacity=64, num_layers=5)
 
 
+@pytest.mark.parametrize("text, kind", [("[1, 2]", "a JSON array"), ('"v3"', "a JSON string"), ("null", "JSON null")])
+def test_config_that_is_not_an_object_names_the_file(copy_of_v3, text, kind, capsys, monkeypatch):
+    from dcp_compile import scenario
+
+    (copy_of_v3 / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=f"config.json must hold a JSON object of the model's settings, not {kind}"):
+        read_config(copy_of_v3)
+    monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    assert main(["demo", "--checkpoint", str(copy_of_v3)]) == 2
+    assert capsys.readouterr().err == (f"dcp-compile demo: error: {copy_of_v3 / 'config.json'} must hold a JSON object "
+                                       f"of the model's settings, not {kind}\n")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tp-size", "3"], "num_attention_heads 8 does not split over tp_size 3"),
     (["--layers", "5"], "layers 5 exceeds the checkpoint's num_hidden_layers 4"),

@@ -23,7 +23,10 @@ from dcp_compile.cli.main import main
     (["--tp-size", "3"], "tp_size 3 does not split model tiny"),
     (["--interleave", "3", "--page-size", "4"], "interleave 3 must divide the page size 4"),
     (["--context", "5000"], "the pool holds 4095"),
-    (["--timeout", "0"], "timeout must be a positive number"),
+    (["--timeout", "0"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got 0.0"),
+    (["--timeout", "inf"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got inf"),
+    (["--timeout", "nan"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got nan"),
+    (["--timeout", "1e300"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got 1e+300"),
 ])
 def test_bad_demo_input_is_one_line_and_exit_2_before_any_rank(args, message, capsys, monkeypatch):
     from dcp_compile import scenario
@@ -62,3 +65,18 @@ def test_a_terminated_cli_leaves_no_process_behind():
     while _marked_processes(marker) and time.time() < deadline:
         time.sleep(0.2)
     assert _marked_processes(marker) == []
+
+
+@pytest.mark.parametrize("error, line", [
+    (ZeroDivisionError("integer division or modulo by zero"), "ZeroDivisionError: integer division or modulo by zero"),
+    (OSError(28, "No space left on device"), "OSError: [Errno 28] No space left on device"),
+    (KeyError("weight_map"), "KeyError: 'weight_map'"),
+    (ValueError(""), "ValueError"),
+    (RuntimeError("first line\nsecond line"), "first line"),
+])
+def test_any_error_exits_2_with_one_line(error, line, capsys, monkeypatch):
+    from dcp_compile.cli import demo
+
+    monkeypatch.setattr(demo, "compare", lambda scenario: (_ for _ in ()).throw(error))
+    assert main(["demo"]) == 2
+    assert capsys.readouterr().err == f"dcp-compile demo: error: {line}\n"

@@ -3,7 +3,9 @@ and a clear error for each kind of bad input."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -14,6 +16,7 @@ import torch
 
 import dcp_compile
 from dcp_compile.cli.main import main
+from dcp_compile.debug import dump as text_dump
 from dcp_compile.debug import svg
 from dcp_compile.debug.dump import OP_DIFF_TXT, REPORT_JSON, snapshot_name
 from dcp_compile.models.config import preset
@@ -195,6 +198,17 @@ def test_output_folder_that_cannot_be_written(tmp_path, capsys):
     code = main(["dump", "--model", "tiny", "--out", str(blocker / "out")])
     assert code == 2
     assert f"cannot write to output folder {blocker / 'out'}" in capsys.readouterr().err
+
+
+def test_a_full_disk_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    def disk_full(writer, graph_index, report):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(writer.graph_folder(graph_index) / REPORT_JSON))
+
+    monkeypatch.setattr(text_dump.TextDump, "pipeline_done", disk_full)
+    code, out = dump(tmp_path, "--model", "tiny", "--layers", "1")
+    assert code == 2
+    assert capsys.readouterr().err == (f"dcp-compile dump: error: OSError: [Errno 28] No space left on device: "
+                                       f"'{out / 'graph00' / REPORT_JSON}'\n")
 
 
 def test_environment_variable_writes_the_same_files(tmp_path, monkeypatch, tiny_html):
