@@ -50,7 +50,10 @@ def _marked_processes(marker: str) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
-def test_a_terminated_cli_leaves_no_process_behind():
+@pytest.mark.parametrize("sig, exit_code, gone_within_s", [(signal.SIGTERM, 143, 15), (signal.SIGKILL, -signal.SIGKILL, 5)],
+                         ids=["SIGTERM", "SIGKILL"])
+def test_a_terminated_or_killed_cli_leaves_no_process_behind(sig, exit_code, gone_within_s):
+    """SIGTERM: the CLI stops its ranks. SIGKILL runs no cleanup: the ranks die with their parent."""
     marker = f"DCP_TEST_MARKER={uuid.uuid4()}"
     env = {**os.environ, "DCP_TEST_MARKER": marker.split("=", 1)[1]}
     cli = subprocess.Popen([sys.executable, "-m", "dcp_compile.cli.main", "demo", "--steps", "100"], env=env,
@@ -59,9 +62,9 @@ def test_a_terminated_cli_leaves_no_process_behind():
     while len(_marked_processes(marker)) < 3 and time.time() < deadline:  # the CLI and its 2 ranks
         time.sleep(0.2)
     assert len(_marked_processes(marker)) >= 3
-    cli.send_signal(signal.SIGTERM)
-    assert cli.wait(timeout=30) == 143
-    deadline = time.time() + 15
+    cli.send_signal(sig)
+    assert cli.wait(timeout=30) == exit_code
+    deadline = time.time() + gone_within_s
     while _marked_processes(marker) and time.time() < deadline:
         time.sleep(0.2)
     assert _marked_processes(marker) == []
