@@ -81,7 +81,7 @@ def register(sub) -> None:
     p.add_argument("--shared-prefix", type=int, default=0, help="request 1 shares this many prompt tokens of request 0")
     p.add_argument("--pad-rows", type=int, default=1, help="padded rows per batch, written to location 0")
     p.add_argument("--kernels", default="auto", choices=KERNEL_BACKENDS,
-                   help="kernels of the DCP model: torch reference, triton (interpreted on CPU), flashinfer (CUDA, "
+                   help="kernels of the DCP model: torch reference, triton (on CPU in Triton's interpreter: TRITON_INTERPRET=1), flashinfer (CUDA, "
                         "Hopper; a torch stand-in of FlashInfer on CPU), npu (Ascend FIA + npu_attention_update; CPU "
                         "stand-ins without torch_npu; both models use it), auto")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),

@@ -21,6 +21,9 @@ SINGLE_FILE = "model.safetensors"
 FP8_BLOCK = (128, 128)
 """DeepSeek-V3's and Kimi-K2's block shape, where a config's quantization_config leaves it out."""
 FLOAT_DTYPES = ("F32", "BF16", "F16")
+HEADER_LENGTH_BYTES = 8
+MAX_HEADER_BYTES = 100_000_000
+"""safetensors' own limit on the JSON header."""
 
 
 def _safe_open():
@@ -30,6 +33,40 @@ def _safe_open():
         raise ImportError("loading a checkpoint needs the safetensors package: pip install safetensors "
                           "(or pip install 'dcp_compile[checkpoints]')") from None
     return safe_open
+
+
+def check_file(path: Path) -> None:
+    """`path` is a whole safetensors file: an 8-byte little-endian header length, a JSON header
+    (tensor name -> dtype, shape and data_offsets into the bytes after the header), then the data
+    with every tensor inside it. Reads the header only; a truncated or garbage file is an error
+    that names it."""
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        prefix = file.read(HEADER_LENGTH_BYTES)
+        if len(prefix) < HEADER_LENGTH_BYTES:
+            raise ValueError(f"{path} is not a safetensors file: {size} bytes, fewer than the header length's "
+                             f"{HEADER_LENGTH_BYTES}")
+        length = int.from_bytes(prefix, "little")
+        if length > min(size - HEADER_LENGTH_BYTES, MAX_HEADER_BYTES):
+            raise ValueError(f"{path} is not a safetensors file, or is truncated: its header length {length} exceeds "
+                             f"the {size - HEADER_LENGTH_BYTES} bytes that follow it")
+        try:
+            header = json.loads(file.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path} is not a safetensors file: its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file: its header is not a JSON object")
+    data_bytes = size - HEADER_LENGTH_BYTES - length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"{path} is not a safetensors file: tensor {name} has no valid data_offsets in its header")
+        if offsets[1] > data_bytes:
+            raise ValueError(f"{path} is truncated: tensor {name} ends at byte {offsets[1]} of the data, which holds "
+                             f"{data_bytes} bytes")
 
 
 class SafetensorsReader:
@@ -48,6 +85,8 @@ class SafetensorsReader:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map): {exc}") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ValueError(f"{index} is not a safetensors index: its weight_map must map tensor names to file names")
             self.weight_map = dict(weight_map)
             by_file: dict[str, list[str]] = {}
             for name, file in self.weight_map.items():
@@ -56,8 +95,11 @@ class SafetensorsReader:
                 if not (self.folder / file).is_file():
                     raise ValueError(f"checkpoint shard {self.folder / file} is missing: {INDEX_FILE} lists it for "
                                      f"{len(names)} tensors (e.g. {names[0]})")
+            for file in sorted(by_file):
+                check_file(self.folder / file)
         elif (self.folder / SINGLE_FILE).is_file():
             self.source = SINGLE_FILE
+            check_file(self.folder / SINGLE_FILE)
             self.weight_map = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}
         else:
             raise ValueError(f"{self.folder} has neither {INDEX_FILE} nor {SINGLE_FILE}")

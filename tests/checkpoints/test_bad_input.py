@@ -40,6 +40,36 @@ def test_missing_shard_names_the_file(copy_of_v3):
         load_pretrained(copy_of_v3, kv_capacity=64)
 
 
+def _bad_json_header(data: bytes) -> bytes:
+    return (16).to_bytes(8, "little") + b"{not json, at a" + data[23:]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: data[: len(data) // 2], r"is truncated: tensor .* ends at byte \d+ of the data, which holds \d+ bytes"),
+    (lambda data: b"\xff" * len(data), r"is not a safetensors file, or is truncated: its header length "
+                                        r"18446744073709551615 exceeds the \d+ bytes that follow it"),
+    (lambda data: data[:5], r"is not a safetensors file: 5 bytes, fewer than the header length's 8"),
+    (_bad_json_header, r"is not a safetensors file: its header is not JSON"),
+], ids=["truncated", "garbage", "shorter-than-8-bytes", "header-not-json"])
+def test_damaged_shard_names_the_file_before_any_weight_is_read(copy_of_v3, damage, message, capsys, monkeypatch):
+    from dcp_compile import scenario
+
+    index = json.loads((copy_of_v3 / "model.safetensors.index.json").read_text())
+    shard = copy_of_v3 / sorted(set(index["weight_map"].values()))[1]
+    shard.write_bytes(damage(shard.read_bytes()))
+    with pytest.raises(ValueError, match=f"{shard} {message}"):
+        load_pretrained(copy_of_v3, kv_capacity=64)
+    monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    assert main(["demo", "--checkpoint", str(copy_of_v3)]) == 2
+    assert str(shard) in capsys.readouterr().err
+
+
+def test_index_whose_weight_map_is_not_an_object_names_the_file(copy_of_v3):
+    (copy_of_v3 / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.norm.weight"]}))
+    with pytest.raises(ValueError, match="model.safetensors.index.json is not a safetensors index"):
+        load_pretrained(copy_of_v3, kv_capacity=64)
+
+
 def test_tensor_with_a_wrong_shape_names_tensor_and_file(copy_of_v3):
     index = json.loads((copy_of_v3 / "model.safetensors.index.json").read_text())
     name = "model.layers.2.self_attn.kv_b_proj.weight"

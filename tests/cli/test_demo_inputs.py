@@ -11,6 +11,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 from dcp_compile.cli.main import main
 
@@ -23,6 +24,15 @@ from dcp_compile.cli.main import main
     (["--tp-size", "3"], "tp_size 3 does not split model tiny"),
     (["--interleave", "3", "--page-size", "4"], "interleave 3 must divide the page size 4"),
     (["--context", "5000"], "the pool holds 4095"),
+    (["--page-size", "3"], "page_size (--page-size, default the interleave) 3 must divide the KV pool's 4096 rows (kv_rows) and be a multiple "
+                              "of the interleave 1"),
+    (["--kernels", "flashinfer", "--page-size", "2", "--dcp-size", "4", "--tp-size", "4"],
+     "--kernels flashinfer reads each rank's KV as whole local blocks: page size 2 with interleave 1 over dcp_size 4"),
+    (["--kernels", "npu", "--block-size", "0"], "block_size (--block-size) 0 is not a block size FIA takes: a multiple of 16, at most 1024"),
+    (["--kernels", "npu", "--block-size", "7"], "block_size (--block-size) 7 is not a block size FIA takes: a multiple of 16, at most 1024"),
+    (["--kernels", "npu", "--block-size", "2048"], "block_size (--block-size) 2048 is not a block size FIA takes"),
+    (["--kernels", "npu", "--block-size", "48"],
+     "block_size (--block-size) 48 makes pages of 96 locations at dcp_size 2, which must divide the KV pool's 4096 rows (kv_rows)"),
     (["--timeout", "0"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got 0.0"),
     (["--timeout", "inf"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got inf"),
     (["--timeout", "nan"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got nan"),
@@ -35,6 +45,40 @@ def test_bad_demo_input_is_one_line_and_exit_2_before_any_rank(args, message, ca
     assert main(["demo", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def _no_rank(monkeypatch):
+    from dcp_compile import scenario
+
+    monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+
+
+def test_cuda_without_a_gpu_is_refused_before_any_rank(capsys, monkeypatch):
+    _no_rank(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["demo", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == ("dcp-compile demo: error: --device cuda needs a CUDA GPU, and torch finds none "
+                                       "here (torch.cuda.is_available() is False)\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["demo", "--device", "cuda", "--dcp-size", "2", "--tp-size", "2"]) == 2
+    assert capsys.readouterr().err == ("dcp-compile demo: error: --device cuda spawns one rank per GPU: --tp-size 2 "
+                                       "needs 2 GPUs, this host has 1\n")
+
+
+def test_triton_kernels_on_cpu_need_the_interpreter_and_triton(capsys, monkeypatch):
+    from dcp_compile.lowering import triton as triton_kernels
+
+    _no_rank(monkeypatch)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert main(["demo", "--kernels", "triton"]) == 2
+    assert capsys.readouterr().err == ("dcp-compile demo: error: --kernels triton on the CPU runs the Triton kernels in "
+                                       "Triton's interpreter, which is off: set TRITON_INTERPRET=1 (no Triton driver "
+                                       "runs on the CPU)\n")
+    monkeypatch.setattr(triton_kernels, "available", lambda: False)
+    assert main(["demo", "--kernels", "triton"]) == 2
+    assert capsys.readouterr().err == ("dcp-compile demo: error: --kernels triton needs the triton package (pip "
+                                       "install triton)\n")
 
 
 def _marked_processes(marker: str) -> list[int]:
