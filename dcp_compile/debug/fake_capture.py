@@ -99,15 +99,17 @@ class GraphSpec:
             raise ValueError(f"unknown attention strategy {self.attention_strategy!r}; choose one of {list(ATTENTION_STRATEGIES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPES)}")
+        pages_from_blocks = self.page_size is None and self.kernels == "npu"
         for name, value in (("batch", self.batch), ("chunk", self.chunk), ("interleave", self.interleave),
-                            ("dcp-size", self.dcp_size), ("page-size", self.page)):
+                            ("dcp-size", self.dcp_size),
+                            ("block-size", self.block_size) if pages_from_blocks else ("page-size", self.page)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 1 <= self.draft_len <= MAX_DRAFT_LEN:
             raise ValueError(f"draft-len must be in [1, {MAX_DRAFT_LEN}] (verify's k), got {self.draft_len}")
         if self.context < 0:
             raise ValueError(f"context must be >= 0, got {self.context}")
-        self._check_sizes(cfg)
+        self._check_sizes(cfg, pages_from_blocks)
         if self.page % self.interleave:
             raise ValueError(f"interleave size {self.interleave} must divide the page size {self.page}")
         if self.kernels not in KERNEL_BACKENDS:
@@ -125,7 +127,7 @@ class GraphSpec:
             )
         parallel.validate_sizes(tp, self.dcp_size, tp)
 
-    def _check_sizes(self, cfg: MLAModelConfig) -> None:
+    def _check_sizes(self, cfg: MLAModelConfig, pages_from_blocks: bool) -> None:
         """What capture() allocates and loops over stays within the MAX_* bounds."""
         for name, value, limit, unit in (("batch", self.batch, MAX_BATCH, "requests"),
                                          ("context", self.context, MAX_CONTEXT, "tokens"),
@@ -133,7 +135,7 @@ class GraphSpec:
             if value > limit:
                 raise ValueError(f"{name} {value} exceeds the dump's limit of {limit} {unit}")
         if self.page > MAX_CONTEXT:
-            if self.page_size is None and self.kernels == "npu":
+            if pages_from_blocks:
                 raise ValueError(f"block-size {self.block_size} makes pages of {self.page} locations, more than the "
                                  f"dump's limit of {MAX_CONTEXT}")
             raise ValueError(f"page-size {self.page} exceeds the dump's limit of {MAX_CONTEXT} locations")

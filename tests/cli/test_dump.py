@@ -189,6 +189,7 @@ def test_svg_without_dot_is_a_clear_error(tmp_path, capsys, monkeypatch):
     (["--batch", "100000"], "batch 100000 exceeds the dump's limit of 1024 requests"),
     (["--mode", "extend", "--chunk", "2000000"], "chunk 2000000 exceeds the dump's limit of 1048576 tokens"),
     (["--page-size", "2097152"], "page-size 2097152 exceeds the dump's limit of 1048576 locations"),
+    (["--kernels", "npu", "--block-size", "0"], "block-size must be >= 1, got 0"),
     (["--kernels", "npu", "--block-size", "1048576"], "block-size 1048576 makes pages of 2097152 locations, more than "
                                                       "the dump's limit of 1048576"),
     (["--layers", "1000"], "tiny with 1000 layers exceeds the dump's limit of 256 layers"),
