@@ -4,6 +4,7 @@ before any weight is used (and, through the demo, before any rank starts)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -109,6 +110,39 @@ def test_bad_config_names_the_field(copy_of_v3, changes, message):
     edit_config(copy_of_v3, **changes)
     with pytest.raises(ValueError, match=f"config.json: {message}"):
         read_config(copy_of_v3)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rope_parameters.rope_theta", 0), ("rope_parameters.rope_theta", -1e4), ("rope_parameters.rope_theta", NAN),
+    ("rope_parameters.factor", NAN), ("rope_parameters.factor", INF), ("rope_parameters.beta_fast", -32),
+    ("rope_parameters.beta_slow", NAN), ("rope_parameters.mscale", NAN), ("rope_parameters.mscale_all_dim", -0.7),
+    ("rope_parameters.attention_factor", INF), ("rope_parameters.attention_factor", 0),
+    ("routed_scaling_factor", NAN), ("routed_scaling_factor", 0), ("routed_scaling_factor", -INF),
+    ("rms_norm_eps", 0), ("rms_norm_eps", INF), ("rms_norm_eps", 10**400),
+], ids=lambda value: value if isinstance(value, str) else repr(value)[:8])
+def test_a_number_the_model_cannot_use_names_the_field(copy_of_v3, field, value):
+    """0, negative, NaN or inf where the model needs a finite number > 0: never bent into a default."""
+    config = json.loads((copy_of_v3 / "config.json").read_text())
+    *parents, key = field.split(".")
+    node = config
+    for parent in parents:
+        node = node[parent]
+    node[key] = value
+    (copy_of_v3 / "config.json").write_text(json.dumps(config))  # Python's json writes NaN and Infinity
+    with pytest.raises(ValueError, match=re.escape(f"config.json: {field} must be a finite positive number, got "
+                                                   f"{json.loads(json.dumps(value))!r}")):
+        read_config(copy_of_v3)
+
+
+def test_rope_theta_0_is_an_error_not_the_default(copy_of_v3):
+    edit_config(copy_of_v3, rope_parameters=None, rope_theta=0)
+    with pytest.raises(ValueError, match=re.escape("config.json: rope_theta must be a finite positive number, got 0")):
+        read_config(copy_of_v3)
+    edit_config(copy_of_v3, rope_theta=None)
+    assert read_config(copy_of_v3).model.rope_theta == 10000.0  # transformers' default, where the field is absent
 
 
 @pytest.mark.parametrize("changes, tp_size, message", [
