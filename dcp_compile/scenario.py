@@ -205,12 +205,18 @@ class Scenario:
     def _check_capacity(self) -> None:
         """The dcp_size=1 baseline's pool (the smaller) must hold every request's whole context."""
         pages = self.pages_for(1)
-        longest = max(self.lengths) + self.steps * max(self.draft_len, 1) + 1
+        longest = self.max_context
         needed = self.batch * -(-longest // pages) * pages
         usable = self.kv_rows - pages
         if needed > usable:
             raise ValueError(f"the contexts need up to {needed} KV locations ({self.batch} requests of up to {longest} "
                              f"tokens); the pool holds {usable} (kv_rows {self.kv_rows})")
+
+    @property
+    def max_context(self) -> int:
+        """The most tokens a request holds: its prompt, then 1 token a decode step, or k a verify
+        step (the drafts a step rejects are released before the next)."""
+        return max(self.lengths) + self.steps * (self.draft_len if self.mode == "verify" else 1)
 
     @property
     def pages(self) -> int:
@@ -276,10 +282,9 @@ class Driver:
 
     def __init__(self, model, scenario: Scenario, vocab: int, leader: "Driver | None" = None):
         self.model, self.scenario, self.vocab, self.leader = model, scenario, vocab, leader
-        max_context = max(scenario.lengths) + scenario.steps * max(scenario.draft_len, 1) + 1
         config = api.state(model).config
-        self.table = RequestTable(scenario.batch, max_context, scenario.kv_rows, scenario.pages_for(config.dcp_size),
-                                  dcp_size=config.dcp_size, interleave=config.interleave)
+        self.table = RequestTable(scenario.batch, scenario.max_context, scenario.kv_rows, scenario.pages_for(config.dcp_size),
+                                  dcp_size=config.dcp_size, interleave=config.interleave, vocab_size=vocab)
         self.logits: list[torch.Tensor] = []
         self.generated: list[list[int]] = [[] for _ in range(scenario.batch)]
         """The tokens fed back: the leader's where there is one."""

@@ -13,7 +13,11 @@ import uuid
 import pytest
 import torch
 
+import dcp_compile
 from dcp_compile.cli.main import main
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.scenario import Driver, Scenario, compare
 
 
 @pytest.mark.parametrize("args, message", [
@@ -79,6 +83,28 @@ def test_triton_kernels_on_cpu_need_the_interpreter_and_triton(capsys, monkeypat
     assert main(["demo", "--kernels", "triton"]) == 2
     assert capsys.readouterr().err == ("dcp-compile demo: error: --kernels triton needs the triton package (pip "
                                        "install triton)\n")
+
+
+def test_decode_reserves_one_token_a_step_and_verify_k():
+    Scenario(batch=1, contexts=(4000,), steps=14)
+    Scenario(mode="extend", batch=1, contexts=(4000,), chunk=512, steps=14)
+    with pytest.raises(ValueError, match=r"the contexts need up to 4098 KV locations \(1 requests of up to 4098 tokens\); "
+                                         r"the pool holds 4095"):
+        Scenario(mode="verify", batch=1, contexts=(4000,), steps=14, draft_len=7)
+
+
+def test_a_decode_run_may_fill_the_pool_to_its_last_location():
+    scenario = Scenario(batch=1, contexts=(247,), steps=8, kv_rows=256)  # 255 usable locations
+    result = compare(scenario)
+    assert result["tokens_total"] == scenario.kv_rows - 1 and result["tokens_match"] and result["outputs_match"]
+
+
+def test_the_drivers_request_table_knows_the_vocabulary():
+    vocab = preset("tiny").vocab_size
+    model = dcp_compile.apply(MLAModel(preset("tiny"), kv_capacity=64, max_requests=2), 1)
+    driver = Driver(model, Scenario(dcp_size=1, tp_size=1, batch=2, contexts=(3,), steps=1, kv_rows=64), vocab)
+    with pytest.raises(ValueError, match=rf"request 1's token id {vocab} is outside the vocabulary \[0, {vocab}\)"):
+        driver.table.extend_batch([0, 1], [[1, 2], [vocab]])
 
 
 def _marked_processes(marker: str) -> list[int]:
