@@ -145,7 +145,8 @@ class Scenario:
                 raise ValueError("shared_prefix needs 2 requests at least that long, and whole pages")
         parallel.validate_sizes(self.tp_size, self.dcp_size, self.tp_size)
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda needs a CUDA GPU, and torch finds none here (torch.cuda.is_available() is False)")
+            raise ValueError("--device cuda needs a CUDA GPU, and torch finds none here "
+                             "(torch.cuda.is_available() is False)")
         if self.kernels == "triton":
             self._check_triton()
 
@@ -283,8 +284,9 @@ class Driver:
     def __init__(self, model, scenario: Scenario, vocab: int, leader: "Driver | None" = None):
         self.model, self.scenario, self.vocab, self.leader = model, scenario, vocab, leader
         config = api.state(model).config
-        self.table = RequestTable(scenario.batch, scenario.max_context, scenario.kv_rows, scenario.pages_for(config.dcp_size),
-                                  dcp_size=config.dcp_size, interleave=config.interleave, vocab_size=vocab)
+        self.table = RequestTable(scenario.batch, scenario.max_context, scenario.kv_rows,
+                                  scenario.pages_for(config.dcp_size), dcp_size=config.dcp_size,
+                                  interleave=config.interleave, vocab_size=vocab)
         self.logits: list[torch.Tensor] = []
         self.generated: list[list[int]] = [[] for _ in range(scenario.batch)]
         """The tokens fed back: the leader's where there is one."""

@@ -20,12 +20,12 @@ from rich.table import Table
 
 from dcp_compile.config import KERNEL_BACKENDS
 from dcp_compile.debug import dump as text_dump
-from dcp_compile.debug.fake_capture import (ATTENTION_STRATEGIES, DTYPES, MAX_BATCH, MAX_CONTEXT, MAX_LAYERS, MAX_PAGE_TABLE_ENTRIES,
-                                            MAX_PAGES, MODES, GraphSpec, capture)
-from dcp_compile.runtime.batch import MAX_DRAFT_LEN
+from dcp_compile.debug.fake_capture import (ATTENTION_STRATEGIES, DTYPES, MAX_BATCH, MAX_CONTEXT, MAX_LAYERS,
+                                            MAX_PAGE_TABLE_ENTRIES, MAX_PAGES, MODES, GraphSpec, capture)
 from dcp_compile.models import hf_config
 from dcp_compile.models.config import PRESETS, MLAModelConfig
 from dcp_compile.passes.manager import PASS_NAMES, PassManager, check_pass_names
+from dcp_compile.runtime.batch import MAX_DRAFT_LEN
 
 log = logging.getLogger("dcp_compile.cli.dump")
 

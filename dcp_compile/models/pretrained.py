@@ -130,8 +130,8 @@ class CheckpointWeights:
         local[shard_dim] = width
         stacked = torch.empty(local, dtype=self.dtype, device=self.device)
         for expert in range(experts):
-            part = self.reader.read(tensor_name.format(expert=expert), per_expert, dim, tp_rank * width, (tp_rank + 1) * width,
-                                    self.dtype)
+            part = self.reader.read(tensor_name.format(expert=expert), per_expert, dim, tp_rank * width,
+                                    (tp_rank + 1) * width, self.dtype)
             stacked[expert].copy_(part)
         return nn.Parameter(stacked, requires_grad=False)
 

@@ -28,15 +28,17 @@ from dcp_compile.scenario import Driver, Scenario, compare
     (["--tp-size", "3"], "tp_size 3 does not split model tiny"),
     (["--interleave", "3", "--page-size", "4"], "interleave 3 must divide the page size 4"),
     (["--context", "5000"], "the pool holds 4095"),
-    (["--page-size", "3"], "page_size (--page-size, default the interleave) 3 must divide the KV pool's 4096 rows (kv_rows) and be a multiple "
-                              "of the interleave 1"),
+    (["--page-size", "3"], "page_size (--page-size, default the interleave) 3 must divide the KV pool's 4096 rows "
+                           "(kv_rows) and be a multiple of the interleave 1"),
     (["--kernels", "flashinfer", "--page-size", "2", "--dcp-size", "4", "--tp-size", "4"],
      "--kernels flashinfer reads each rank's KV as whole local blocks: page size 2 with interleave 1 over dcp_size 4"),
-    (["--kernels", "npu", "--block-size", "0"], "block_size (--block-size) 0 is not a block size FIA takes: a multiple of 16, at most 1024"),
-    (["--kernels", "npu", "--block-size", "7"], "block_size (--block-size) 7 is not a block size FIA takes: a multiple of 16, at most 1024"),
+    (["--kernels", "npu", "--block-size", "0"],
+     "block_size (--block-size) 0 is not a block size FIA takes: a multiple of 16, at most 1024"),
+    (["--kernels", "npu", "--block-size", "7"],
+     "block_size (--block-size) 7 is not a block size FIA takes: a multiple of 16, at most 1024"),
     (["--kernels", "npu", "--block-size", "2048"], "block_size (--block-size) 2048 is not a block size FIA takes"),
-    (["--kernels", "npu", "--block-size", "48"],
-     "block_size (--block-size) 48 makes pages of 96 locations at dcp_size 2, which must divide the KV pool's 4096 rows (kv_rows)"),
+    (["--kernels", "npu", "--block-size", "48"], "block_size (--block-size) 48 makes pages of 96 locations at dcp_size 2, "
+                                                 "which must divide the KV pool's 4096 rows (kv_rows)"),
     (["--timeout", "0"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got 0.0"),
     (["--timeout", "inf"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got inf"),
     (["--timeout", "nan"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got nan"),
