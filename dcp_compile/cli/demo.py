@@ -82,8 +82,8 @@ def register(sub) -> None:
     p.add_argument("--pad-rows", type=int, default=1, help="padded rows per batch, written to location 0")
     p.add_argument("--kernels", default="auto", choices=KERNEL_BACKENDS,
                    help="kernels of the DCP model: torch reference, triton (on CPU in Triton's interpreter: "
-                        "TRITON_INTERPRET=1), flashinfer (CUDA, Hopper; a torch stand-in of FlashInfer on CPU), npu (Ascend FIA + npu_attention_update; CPU "
-                        "stand-ins without torch_npu; both models use it), auto")
+                        "TRITON_INTERPRET=1), flashinfer (CUDA, Hopper; a torch stand-in of FlashInfer on CPU), npu "
+                        "(Ascend FIA + npu_attention_update; CPU stand-ins without torch_npu; both models use it), auto")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default float32; bfloat16 with --kernels npu, since FIA takes bf16/fp16)")
     p.add_argument("--block-size", type=int, default=16,

@@ -31,8 +31,8 @@ PARENT_POLL_S = 0.5
 DEFAULT_TIMEOUT_S = 300.0
 """Seconds a collective waits for a stalled peer before failing (torch's default is 30 minutes)."""
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
-"""A year: the process group computes deadlines in int64 nanoseconds, which a timeout of a few
-centuries (or inf) overflows; no run needs to wait longer than this for a stalled peer."""
+"""A year. Python's timedelta holds neither inf nor 1e300 s, and a deadline centuries out risks
+overflowing clocks kept in int64 nanoseconds; no run needs to wait longer for a stalled peer."""
 
 
 class RankDiedError(RuntimeError):
