@@ -133,20 +133,62 @@ class Scenario:
         if self.chunk is not None and self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
         cost_model.check_strategy(self.attention_strategy)
+        if self.kernels == "npu":
+            self._check_fia_blocks()
         if self.pages % self.interleave:
             raise ValueError(f"interleave {self.interleave} must divide the page size {self.pages}")
+        self._check_pages()
         self._check_capacity()
         if self.shared_prefix:
             lengths = self.lengths
             if self.batch < 2 or min(lengths[:2]) < self.shared_prefix or self.shared_prefix % self.pages:
                 raise ValueError("shared_prefix needs 2 requests at least that long, and whole pages")
         parallel.validate_sizes(self.tp_size, self.dcp_size, self.tp_size)
-        if self.kernels == "npu":
-            if self.page_size is not None:
-                raise ValueError("kernels='npu' sets the page size from --block-size (block_size x dcp_size, or block_size)")
-            if self.interleave not in (1, self.block_size):
-                raise ValueError(f"kernels='npu' reads pages as FIA blocks: interleave must be 1 or the block size "
-                                 f"{self.block_size}, got {self.interleave}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda needs a CUDA GPU, and torch finds none here "
+                             "(torch.cuda.is_available() is False)")
+        if self.kernels == "triton":
+            self._check_triton()
+
+    def _check_fia_blocks(self) -> None:
+        """kernels='npu': pages are FIA blocks of `block_size` rows on each rank (see pages_for)."""
+        from dcp_compile.passes.base import PassConfig
+        from dcp_compile.passes.lower_npu_attention import FIA_MAX_BLOCK_SIZE, fia_block_size
+
+        if self.page_size is not None:
+            raise ValueError("kernels='npu' sets the page size from --block-size (block_size x dcp_size, or block_size)")
+        if self.interleave not in (1, self.block_size):
+            raise ValueError(f"kernels='npu' reads pages as FIA blocks: interleave must be 1 or the block size "
+                             f"{self.block_size}, got {self.interleave}")
+        try:
+            fia_block_size(PassConfig(dcp_size=self.dcp_size, interleave=self.interleave, page_size=self.pages))
+        except ValueError:
+            raise ValueError(f"block_size (--block-size) {self.block_size} is not a block size FIA takes: a multiple of "
+                             f"16, at most {FIA_MAX_BLOCK_SIZE}") from None
+
+    def _check_pages(self) -> None:
+        """Both models' pages tile the pool (the KV pool and the request table need it), and the
+        paged kernels can read the DCP model's pages as whole local blocks."""
+        for dcp_size in sorted({self.dcp_size, 1}, reverse=True):
+            pages = self.pages_for(dcp_size)
+            if self.kv_rows % pages == 0:
+                continue
+            if self.kernels == "npu":
+                raise ValueError(f"block_size (--block-size) {self.block_size} makes pages of {pages} locations at "
+                                 f"dcp_size {dcp_size}, which must divide the KV pool's {self.kv_rows} rows (kv_rows)")
+            raise ValueError(f"page_size (--page-size, default the interleave) {pages} must divide the KV pool's "
+                             f"{self.kv_rows} rows (kv_rows) and be a multiple of the interleave {self.interleave}")
+        if self.kernels == "flashinfer":
+            layout.require_local_block_size(self.pages, self.dcp_size, self.interleave, "--kernels flashinfer")
+
+    def _check_triton(self) -> None:
+        from dcp_compile.lowering import triton as triton_kernels
+
+        if not triton_kernels.available():
+            raise ValueError("--kernels triton needs the triton package (pip install triton)")
+        if self.device == "cpu" and not _triton_interpreted():
+            raise ValueError("--kernels triton on the CPU runs the Triton kernels in Triton's interpreter, which is off: "
+                             "set TRITON_INTERPRET=1 (no Triton driver runs on the CPU)")
 
     def _check_checkpoint(self) -> None:
         ckpt = hf_config.read_config(self.checkpoint)
@@ -164,12 +206,18 @@ class Scenario:
     def _check_capacity(self) -> None:
         """The dcp_size=1 baseline's pool (the smaller) must hold every request's whole context."""
         pages = self.pages_for(1)
-        longest = max(self.lengths) + self.steps * max(self.draft_len, 1) + 1
+        longest = self.max_context
         needed = self.batch * -(-longest // pages) * pages
         usable = self.kv_rows - pages
         if needed > usable:
             raise ValueError(f"the contexts need up to {needed} KV locations ({self.batch} requests of up to {longest} "
                              f"tokens); the pool holds {usable} (kv_rows {self.kv_rows})")
+
+    @property
+    def max_context(self) -> int:
+        """The most tokens a request holds: its prompt, then 1 token a decode step, or k a verify
+        step (the drafts a step rejects are released before the next)."""
+        return max(self.lengths) + self.steps * (self.draft_len if self.mode == "verify" else 1)
 
     @property
     def pages(self) -> int:
@@ -206,6 +254,14 @@ class Scenario:
         return cfg.with_layers(self.layers) if self.layers else cfg
 
 
+def _triton_interpreted() -> bool:
+    """Whether Triton kernels defined now run in its interpreter (TRITON_INTERPRET, read as Triton reads it)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older builds (triton-ascend) read the variable directly
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def request_prompts(scenario: Scenario, vocab: int) -> list[list[int]]:
     """Each request's prompt: the scenario's prompt_ids, or random ids of its context lengths."""
     if scenario.prompt_ids is not None:
@@ -227,10 +283,10 @@ class Driver:
 
     def __init__(self, model, scenario: Scenario, vocab: int, leader: "Driver | None" = None):
         self.model, self.scenario, self.vocab, self.leader = model, scenario, vocab, leader
-        max_context = max(scenario.lengths) + scenario.steps * max(scenario.draft_len, 1) + 1
         config = api.state(model).config
-        self.table = RequestTable(scenario.batch, max_context, scenario.kv_rows, scenario.pages_for(config.dcp_size),
-                                  dcp_size=config.dcp_size, interleave=config.interleave)
+        self.table = RequestTable(scenario.batch, scenario.max_context, scenario.kv_rows,
+                                  scenario.pages_for(config.dcp_size), dcp_size=config.dcp_size,
+                                  interleave=config.interleave, vocab_size=vocab)
         self.logits: list[torch.Tensor] = []
         self.generated: list[list[int]] = [[] for _ in range(scenario.batch)]
         """The tokens fed back: the leader's where there is one."""
@@ -364,6 +420,9 @@ def argmax_flips(base_logits: list[torch.Tensor], dcp_logits: list[torch.Tensor]
 def compare(scenario: Scenario) -> dict:
     """Spawn tp_size ranks (gloo on CPU, NCCL on CUDA, HCCL on NPUs), run the comparison, and
     summarise all ranks."""
+    if scenario.device == "cuda" and torch.cuda.device_count() < scenario.tp_size:
+        raise ValueError(f"--device cuda spawns one rank per GPU: --tp-size {scenario.tp_size} needs {scenario.tp_size} "
+                         f"GPUs, this host has {torch.cuda.device_count()}")
     ranks = spawn(run_on_rank, scenario.tp_size, scenario, backend={"cuda": "nccl", "npu": "hccl"}.get(scenario.device, "gloo"),
                   timeout=scenario.timeout)
     return summarize(scenario, ranks)

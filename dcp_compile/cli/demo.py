@@ -81,9 +81,9 @@ def register(sub) -> None:
     p.add_argument("--shared-prefix", type=int, default=0, help="request 1 shares this many prompt tokens of request 0")
     p.add_argument("--pad-rows", type=int, default=1, help="padded rows per batch, written to location 0")
     p.add_argument("--kernels", default="auto", choices=KERNEL_BACKENDS,
-                   help="kernels of the DCP model: torch reference, triton (interpreted on CPU), flashinfer (CUDA, "
-                        "Hopper; a torch stand-in of FlashInfer on CPU), npu (Ascend FIA + npu_attention_update; CPU "
-                        "stand-ins without torch_npu; both models use it), auto")
+                   help="kernels of the DCP model: torch reference, triton (on CPU in Triton's interpreter: "
+                        "TRITON_INTERPRET=1), flashinfer (CUDA, Hopper; a torch stand-in of FlashInfer on CPU), npu "
+                        "(Ascend FIA + npu_attention_update; CPU stand-ins without torch_npu; both models use it), auto")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default float32; bfloat16 with --kernels npu, since FIA takes bf16/fp16)")
     p.add_argument("--block-size", type=int, default=16,
@@ -92,7 +92,8 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"),
                    help="ranks on CPU (gloo, default), one CUDA GPU each (NCCL) or one Ascend NPU each (HCCL, needs torch_npu)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help=f"seconds a collective waits for a stalled rank before the run fails (default {DEFAULT_TIMEOUT_S:g})")
+                   help=f"seconds a collective waits for a stalled rank before the run fails (default "
+                        f"{DEFAULT_TIMEOUT_S:g}; finite, at most a year)")
     p.add_argument("--launch", default="spawn", choices=("spawn", "torchrun"),
                    help="spawn the ranks here (default), or join the ranks of a torchrun launch, on one node or "
                         "several (every TP group of the world runs the check; rank 0 prints)")

@@ -20,10 +20,12 @@ from rich.table import Table
 
 from dcp_compile.config import KERNEL_BACKENDS
 from dcp_compile.debug import dump as text_dump
-from dcp_compile.debug.fake_capture import ATTENTION_STRATEGIES, DTYPES, MODES, GraphSpec, capture
+from dcp_compile.debug.fake_capture import (ATTENTION_STRATEGIES, DTYPES, MAX_BATCH, MAX_CONTEXT, MAX_LAYERS,
+                                            MAX_PAGE_TABLE_ENTRIES, MAX_PAGES, MODES, GraphSpec, capture)
 from dcp_compile.models import hf_config
 from dcp_compile.models.config import PRESETS, MLAModelConfig
 from dcp_compile.passes.manager import PASS_NAMES, PassManager, check_pass_names
+from dcp_compile.runtime.batch import MAX_DRAFT_LEN
 
 log = logging.getLogger("dcp_compile.cli.dump")
 
@@ -60,7 +62,7 @@ def register(sub) -> None:
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="capture the model of this checkpoint folder's config.json (DeepSeek-V2/V3, Kimi-K2; MoE "
                         "layers included) instead of a preset; no weight is read")
-    p.add_argument("--layers", type=int, default=None, help="layer count, keeping the preset's pattern")
+    p.add_argument("--layers", type=int, default=None, help=f"layer count, keeping the preset's pattern (at most {MAX_LAYERS})")
     p.add_argument("--dcp-size", type=int, default=2, help="DCP size N (default 2)")
     p.add_argument("--tp-size", type=int, default=None, help="TP size; heads are split over it (default: DCP size)")
     p.add_argument("--mode", default="decode", help=f"batch shape: {', '.join(MODES)} (default decode)")
@@ -68,12 +70,16 @@ def register(sub) -> None:
     p.add_argument("--format", default="text", help=f"{', '.join(FORMATS)} (default text; text files are always written)")
     p.add_argument("--only", default=None, metavar="PASS", help="dump the graphs of this pass only")
     p.add_argument("--disable", action="append", default=[], metavar="PASS", help="switch a pass off (repeatable)")
-    p.add_argument("--batch", type=int, default=4, help="requests (default 4)")
-    p.add_argument("--draft-len", type=int, default=4, help="verify: tokens per request k (default 4)")
-    p.add_argument("--chunk", type=int, default=64, help="extend: new tokens per request (default 64)")
-    p.add_argument("--context", type=int, default=256, help="tokens cached per request before the step (default 256)")
+    p.add_argument("--batch", type=int, default=4, help=f"requests (default 4, at most {MAX_BATCH})")
+    p.add_argument("--draft-len", type=int, default=4, help=f"verify: tokens per request k, 1..{MAX_DRAFT_LEN} (default 4)")
+    p.add_argument("--chunk", type=int, default=64, help=f"extend: new tokens per request (default 64, at most {MAX_CONTEXT})")
+    p.add_argument("--context", type=int, default=256,
+                   help=f"tokens cached per request before the step (default 256, at most {MAX_CONTEXT}); the batch may "
+                        f"hold {MAX_PAGE_TABLE_ENTRIES} tokens and {MAX_PAGES} pages in all (Kimi-K2's 128k context at "
+                        "batch 256 needs --page-size 32 or more)")
     p.add_argument("--interleave", type=int, default=1, help="interleave size I (default 1)")
-    p.add_argument("--page-size", type=int, default=None, help="KV page size (default: the interleave size)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help=f"KV page size (default: the interleave size; at most {MAX_CONTEXT})")
     p.add_argument("--dtype", default="bfloat16", help=f"{', '.join(DTYPES)} (default bfloat16)")
     p.add_argument("--attention-strategy", default="auto",
                    help=f"{', '.join(ATTENTION_STRATEGIES)}: which DCP attention rewrite runs "
@@ -129,6 +135,8 @@ def _print_summary(console: Console, spec: GraphSpec, data: dict, facts: list[st
 
 
 def run(args) -> int:
+    if not args.out:
+        raise ValueError(f"--out must name a folder, got {args.out!r}")
     fmt = args.format
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {list(FORMATS)}")

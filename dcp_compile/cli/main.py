@@ -40,18 +40,31 @@ def main(argv=None) -> int:
     try:
         return args.handler(args) or 0
     except RankDiedError as exc:
-        print(f"dcp-compile {args.command}: error: {exc}", file=sys.stderr)
+        _report(args.command, exc, named=False)
         return EXIT_RANK_DIED
     except CollectiveTimeoutError as exc:
-        print(f"dcp-compile {args.command}: error: {exc}", file=sys.stderr)
+        _report(args.command, exc, named=False)
         return EXIT_TIMEOUT
     except (ValueError, TypeError, RuntimeError, MemoryError) as exc:
-        print(f"dcp-compile {args.command}: error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+        _report(args.command, exc, named=False)
+        return EXIT_ERROR
+    except Exception as exc:  # anything else is an error too, never a traceback that exits 1 (a mismatch)
+        _report(args.command, exc, named=True)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _report(command: str, exc: Exception, named: bool) -> None:
+    """One line on stderr: the error's first line, after its type's name where that is not
+    already clear from the message (`named`), or where the message is empty."""
+    lines = str(exc).strip().splitlines()
+    message = lines[0] if lines else ""
+    if named or not message:
+        message = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    print(f"dcp-compile {command}: error: {message}", file=sys.stderr)
 
 
 def _terminate(signum, frame):

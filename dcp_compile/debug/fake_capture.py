@@ -10,6 +10,10 @@ What `dcp-compile dump` and bench/pass_pipeline.py run the passes on, in one pro
 Modes (the batch is built by RequestTable.extend_batch, over `context` cached tokens each):
 decode = 1 new token per request, verify = `draft_len` tokens per request, extend = a chunk of
 `chunk` tokens per request.
+
+The request table is real (host memory, pages handed out one by one), so every size is bounded
+before anything is allocated (MAX_* below): Kimi-K2's 128k context at a batch of 256 fits, with
+pages of 32 locations or more (engines page by 64 or more).
 """
 
 from __future__ import annotations
@@ -27,13 +31,23 @@ from dcp_compile.models.config import MLAModelConfig, allowed_tp_sizes, preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes.base import PassConfig
 from dcp_compile.runtime import parallel
-from dcp_compile.runtime.batch import RequestTable
+from dcp_compile.runtime.batch import MAX_DRAFT_LEN, RequestTable
 from dcp_compile.runtime.host_metadata import MAX_FIA_QUERY_TOKENS
 
 MODES = ("decode", "verify", "extend")
 ATTENTION_STRATEGIES = ("auto",) + cost_model.STRATEGIES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAKE_TP_GROUP, FAKE_DCP_GROUP = "fake-tp-group", "fake-dcp-group"
+MAX_BATCH = 1024
+"""Requests in the batch (serving batches are a few hundred)."""
+MAX_CONTEXT = 1 << 20
+"""Tokens of one request, cached or new, and locations of a page (DeepSeek-V3 and Kimi-K2 serve 128k-160k)."""
+MAX_LAYERS = 256
+"""Layers captured (DeepSeek-V3 and Kimi-K2 have 61); capture time grows with them."""
+MAX_PAGE_TABLE_ENTRIES = 1 << 26
+"""batch x tokens per request: the request table's page tables are that many int64, twice (1 GiB)."""
+MAX_PAGES = 1 << 21
+"""Pages the request table hands out, each on the host one by one (about 10 us each: 20 s)."""
 
 
 @dataclass(frozen=True)
@@ -85,18 +99,23 @@ class GraphSpec:
             raise ValueError(f"unknown attention strategy {self.attention_strategy!r}; choose one of {list(ATTENTION_STRATEGIES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPES)}")
-        for name, value in (("batch", self.batch), ("draft-len", self.draft_len), ("chunk", self.chunk),
-                            ("interleave", self.interleave), ("dcp-size", self.dcp_size), ("page-size", self.page)):
+        pages_from_blocks = self.page_size is None and self.kernels == "npu"
+        for name, value in (("batch", self.batch), ("chunk", self.chunk), ("interleave", self.interleave),
+                            ("dcp-size", self.dcp_size),
+                            ("block-size", self.block_size) if pages_from_blocks else ("page-size", self.page)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 1 <= self.draft_len <= MAX_DRAFT_LEN:
+            raise ValueError(f"draft-len must be in [1, {MAX_DRAFT_LEN}] (verify's k), got {self.draft_len}")
         if self.context < 0:
             raise ValueError(f"context must be >= 0, got {self.context}")
+        self._check_sizes(cfg, pages_from_blocks)
         if self.page % self.interleave:
             raise ValueError(f"interleave size {self.interleave} must divide the page size {self.page}")
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"unknown kernels {self.kernels!r}; choose one of {list(KERNEL_BACKENDS)}")
         if self.kernels == "npu" and (cfg.kv_lora_rank, cfg.qk_rope_head_dim) != (512, 64):
-            raise ValueError(f"--kernels npu: FIA's MLA path needs kv_lora_rank 512 and rope dim 64 (ASCEND.md §1.4); "
+            raise ValueError(f"--kernels npu: FIA's MLA path needs kv_lora_rank 512 and rope dim 64; "
                              f"model {self.model} has {cfg.kv_lora_rank} and {cfg.qk_rope_head_dim} (try tiny-512)")
         tp = self.tp
         allowed = allowed_tp_sizes(cfg)
@@ -107,6 +126,31 @@ class GraphSpec:
                 f"MLP width {cfg.intermediate_size}); allowed tp sizes: {allowed}"
             )
         parallel.validate_sizes(tp, self.dcp_size, tp)
+
+    def _check_sizes(self, cfg: MLAModelConfig, pages_from_blocks: bool) -> None:
+        """What capture() allocates and loops over stays within the MAX_* bounds."""
+        for name, value, limit, unit in (("batch", self.batch, MAX_BATCH, "requests"),
+                                         ("context", self.context, MAX_CONTEXT, "tokens"),
+                                         ("chunk", self.chunk, MAX_CONTEXT, "tokens")):
+            if value > limit:
+                raise ValueError(f"{name} {value} exceeds the dump's limit of {limit} {unit}")
+        if self.page > MAX_CONTEXT:
+            if pages_from_blocks:
+                raise ValueError(f"block-size {self.block_size} makes pages of {self.page} locations, more than the "
+                                 f"dump's limit of {MAX_CONTEXT}")
+            raise ValueError(f"page-size {self.page} exceeds the dump's limit of {MAX_CONTEXT} locations")
+        if cfg.num_layers > MAX_LAYERS:
+            raise ValueError(f"{self.model} with {cfg.num_layers} layers exceeds the dump's limit of {MAX_LAYERS} layers "
+                             "(--layers captures fewer)")
+        per_request = self.context + self.new_tokens
+        if self.batch * per_request > MAX_PAGE_TABLE_ENTRIES:
+            raise ValueError(f"{self.batch} requests of {per_request} tokens make {self.batch * per_request} page-table "
+                             f"entries, more than the dump's limit of {MAX_PAGE_TABLE_ENTRIES}")
+        pages = self.batch * -(-per_request // self.page)
+        if pages > MAX_PAGES:
+            raise ValueError(f"{self.batch} requests of {per_request} tokens need {pages} pages of {self.page}, more than "
+                             f"the dump's limit of {MAX_PAGES}: use a larger --page-size (engines page by 64 or more), "
+                             "or fewer requests or tokens")
 
     @property
     def page(self) -> int:

@@ -15,6 +15,7 @@ halves, so the loader permutes the rope rows of q_b_proj / q_proj and kv_a_proj_
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,11 +76,17 @@ class _Fields:
             raise self.error(field, f"must be an integer >= {minimum}, got {value!r}")
         return value
 
-    def number(self, field: str, value=None, positive: bool = True) -> float:
+    def number(self, field: str, value=None) -> float:
+        """A finite number > 0: the field's, or `value` where given. Every such field of the config
+        (rope theta, eps, scaling factors) is meaningless at 0, NaN or inf."""
         value = self.get(field) if value is None else value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
-            raise self.error(field, f"must be a {'positive ' if positive else ''}number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        except OverflowError:  # an integer beyond a float's range
+            number = math.inf
+        if not math.isfinite(number) or number <= 0:
+            raise self.error(field, f"must be a finite positive number, got {value!r}")
+        return number
 
     def flag(self, field: str, null_is_false: bool = False) -> bool:
         value = self.get(field)
@@ -108,6 +115,8 @@ def read_config(folder: str | Path) -> CheckpointConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object of the model's settings, not {_json_kind(raw)}")
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(MODEL_TYPES)}")
@@ -147,13 +156,24 @@ def read_config(folder: str | Path) -> CheckpointConfig:
     return CheckpointConfig(folder, model_type, model, interleaved, _fp8_block(fields))
 
 
+def _json_kind(value) -> str:
+    if value is None:
+        return "JSON null"
+    kinds = ((bool, "a JSON boolean"), ((int, float), "a JSON number"), (str, "a JSON string"), (list, "a JSON array"))
+    return next(kind for types, kind in kinds if isinstance(value, types))
+
+
 def _rope(fields: _Fields) -> tuple[float, YarnScaling | None]:
     raw = fields.raw
     params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise fields.error("rope_scaling", f"must be an object or null, got {params!r}")
     name = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
-    theta = fields.number(f"{name}.rope_theta", params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+    # Only an absent (or null) theta takes transformers' default: a 0 is an error, not "unset".
+    if params.get("rope_theta") is not None:
+        theta = fields.number(f"{name}.rope_theta", params["rope_theta"])
+    else:
+        theta = fields.number("rope_theta", 10000.0 if raw.get("rope_theta") is None else raw["rope_theta"])
     for source, value in ((f"{name}.partial_rotary_factor", params.get("partial_rotary_factor")),
                           ("partial_rotary_factor", raw.get("partial_rotary_factor"))):
         if value not in (None, 1, 1.0):
@@ -174,9 +194,9 @@ def _rope(fields: _Fields) -> tuple[float, YarnScaling | None]:
         raise fields.error(f"{name}.factor", f"must be >= 1, got {factor}")
 
     def optional(key: str, default: float) -> float:
-        # transformers: an unset or zero beta / mscale takes the default.
+        # transformers: an unset or zero beta / mscale takes the default; NaN is not zero.
         value = params.get(key)
-        return fields.number(f"{name}.{key}", value, positive=False) if value else default
+        return fields.number(f"{name}.{key}", value) if value else default
 
     attention_factor = params.get("attention_factor")
     truncate = params.get("truncate", True)

@@ -75,7 +75,7 @@ class CheckpointWeights:
 
     def norm(self, name: str, dim: int) -> nn.Parameter:
         tensor_name, _ = _checkpoint_name(name)
-        return self._param(self.reader.read(tensor_name, (dim,)))
+        return self._param(self.reader.read(tensor_name, (dim,), dtype=self.dtype))
 
     def make(self, name: str, shape, fan_in: int, shard_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1,
              dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -89,10 +89,12 @@ class CheckpointWeights:
             return self._param(self._kv_b(tensor_name, leaf, shape, tp_rank, tp_size))
         if leaf.startswith("mlp.experts_"):
             return self._experts(tensor_name, shape, shard_dim, tp_rank, tp_size)
+        dtype = dtype or self.dtype
         if shard_dim is None:
-            return self._param(self.reader.read(tensor_name, shape), dtype)
+            return self._param(self.reader.read(tensor_name, shape, dtype=dtype), dtype)
         width = shape[shard_dim] // tp_size
-        return self._param(self.reader.read(tensor_name, shape, shard_dim, tp_rank * width, (tp_rank + 1) * width), dtype)
+        return self._param(self.reader.read(tensor_name, shape, shard_dim, tp_rank * width, (tp_rank + 1) * width, dtype),
+                           dtype)
 
     def _deinterleave(self, rope_rows: torch.Tensor) -> torch.Tensor:
         return rope_rows if self.rope_order is None else rope_rows[..., self.rope_order, :]
@@ -100,13 +102,13 @@ class CheckpointWeights:
     def _query(self, tensor_name: str, shape, tp_rank: int, tp_size: int) -> torch.Tensor:
         cfg = self.ckpt.model
         rows = shape[0] // tp_size
-        weight = self.reader.read(tensor_name, shape, 0, tp_rank * rows, (tp_rank + 1) * rows)
+        weight = self.reader.read(tensor_name, shape, 0, tp_rank * rows, (tp_rank + 1) * rows, self.dtype)
         heads = weight.view(-1, cfg.qk_head_dim, shape[1])
         nope, rope = heads.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=1)
         return torch.cat([nope, self._deinterleave(rope)], dim=1).reshape(rows, shape[1])
 
     def _latent(self, tensor_name: str, shape) -> torch.Tensor:
-        weight = self.reader.read(tensor_name, shape)
+        weight = self.reader.read(tensor_name, shape, dtype=self.dtype)
         latent, rope = weight.split([self.ckpt.model.kv_lora_rank, self.ckpt.model.qk_rope_head_dim], dim=0)
         return torch.cat([latent, self._deinterleave(rope)], dim=0)
 
@@ -115,7 +117,7 @@ class CheckpointWeights:
         per_head = cfg.qk_nope_head_dim + cfg.v_head_dim
         heads = shape[0] // tp_size
         weight = self.reader.read(tensor_name, (cfg.num_heads * per_head, cfg.kv_lora_rank), 0,
-                                  tp_rank * heads * per_head, (tp_rank + 1) * heads * per_head)
+                                  tp_rank * heads * per_head, (tp_rank + 1) * heads * per_head, self.dtype)
         key, value = weight.view(heads, per_head, cfg.kv_lora_rank).split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
         return key if leaf == "attn.w_uk" else value.transpose(1, 2)
 
@@ -128,7 +130,8 @@ class CheckpointWeights:
         local[shard_dim] = width
         stacked = torch.empty(local, dtype=self.dtype, device=self.device)
         for expert in range(experts):
-            part = self.reader.read(tensor_name.format(expert=expert), per_expert, dim, tp_rank * width, (tp_rank + 1) * width)
+            part = self.reader.read(tensor_name.format(expert=expert), per_expert, dim, tp_rank * width,
+                                    (tp_rank + 1) * width, self.dtype)
             stacked[expert].copy_(part)
         return nn.Parameter(stacked, requires_grad=False)
 

@@ -104,6 +104,11 @@ def padded_row_tokens(rows: int, counts: list[int], pad_rows: int, bucket: bool)
     return [1 + _next_power_of_two(tokens) - tokens] + [1] * (padded_rows - 1)
 
 
+def _check_size(name: str, value, minimum: int, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{why}, got {value!r}")
+
+
 def check_draft_len(k: int) -> None:
     if not 1 <= k <= MAX_DRAFT_LEN:
         raise ValueError(f"verify length k must be in [1, {MAX_DRAFT_LEN}], got {k}")
@@ -121,17 +126,26 @@ class RequestTable:
     local blocks (runtime/layout.local_block_size), each rank's local block ids. They are updated
     at O(tokens appended or released) per call, with no device sync, and every batch carries them
     (`ForwardBatch.host`).
+
+    With `vocab_size`, extend_batch rejects token ids outside [0, vocab_size) (and ids that are not
+    ints) before anything changes.
     """
 
     def __init__(self, max_requests: int, max_context: int, capacity: int, page_size: int = 1,
-                 dcp_size: int = 1, interleave: int = 1):
-        if page_size < 1 or capacity % page_size:
-            raise ValueError(f"page_size must be >= 1 and divide the capacity {capacity}, got {page_size}")
+                 dcp_size: int = 1, interleave: int = 1, *, vocab_size: int | None = None):
+        for name, value in (("max_requests", max_requests), ("max_context", max_context), ("page_size", page_size),
+                            ("dcp_size", dcp_size), ("interleave", interleave)):
+            _check_size(name, value, 1)
+        _check_size("capacity", capacity, 2, " (location 0 is reserved)")
+        if vocab_size is not None:
+            _check_size("vocab_size", vocab_size, 1)
+        if capacity % page_size:
+            raise ValueError(f"page_size {page_size} must divide the capacity {capacity}")
         layout.validate(dcp_size, 0, interleave)
         if page_size % interleave:
             raise ValueError(f"interleave size {interleave} must divide the page size {page_size}")
         self.max_context, self.capacity, self.page_size = max_context, capacity, page_size
-        self.dcp_size, self.interleave = dcp_size, interleave
+        self.dcp_size, self.interleave, self.vocab_size = dcp_size, interleave, vocab_size
         self.req_to_token = torch.zeros(max_requests, max_context, dtype=torch.int64)
         self.seq_lens = torch.zeros(max_requests, dtype=torch.int64)
         self.pages: list[list[int]] = [[] for _ in range(max_requests)]
@@ -225,6 +239,8 @@ class RequestTable:
         """Keep the first `length` tokens (e.g. the accepted drafts); release the rest."""
         self._check_request(request)
         current = int(self.seq_lens[request])
+        if isinstance(length, bool) or not isinstance(length, numbers.Integral):
+            raise ValueError(f"a request is truncated to a whole number of tokens in [0, {current}], got {length!r}")
         if not 0 <= length <= current:
             raise ValueError(f"cannot truncate request {request} of {current} tokens to {length}")
         self.local_seq_lens[request] -= self._count_local(self.req_to_token[request, length:current])
@@ -309,8 +325,21 @@ class RequestTable:
         for request, new_tokens in zip(requests, tokens):
             if not new_tokens:
                 raise ValueError(f"request {request} has an empty token list: each row of a batch needs >= 1 token")
+            if self.vocab_size is not None:
+                self._check_token_ids(request, new_tokens)
         needed = sum(self._pages_needed(request, len(new_tokens)) for request, new_tokens in zip(requests, tokens))
         self._check_free(needed, f"a batch of {sum(len(t) for t in tokens)} tokens")
+
+    def _check_token_ids(self, request: int, ids: list[int]) -> None:
+        """Every id an int in [0, vocab_size): a type check per distinct type and a min and max,
+        all at C speed over the ids."""
+        for kind in set(map(type, ids)):
+            if kind is bool or not issubclass(kind, numbers.Integral):
+                bad = next(t for t in ids if type(t) is kind)
+                raise ValueError(f"request {request}'s token ids must be ints, got {bad!r}")
+        for bad in (min(ids), max(ids)):
+            if not 0 <= bad < self.vocab_size:
+                raise ValueError(f"request {request}'s token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def _host_metadata(self, requests: list[int], query_lens: list[int], prefix_lens: list[torch.Tensor],
                        pad_rows: int) -> HostMetadata:

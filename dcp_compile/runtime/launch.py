@@ -3,15 +3,19 @@
 Failure behaviour: a rank that raises fails the whole launch with its error; a rank that dies
 (a signal, an exit) is a `RankDiedError` naming the rank and the signal; a rank that stalls
 makes its peers' collectives fail after `timeout` seconds (the process group's timeout). In
-every case the other ranks are stopped, and no helper process is left behind.
+every case the other ranks are stopped, and no helper process is left behind. Spawned ranks
+also die with the launcher when it is killed outright (SIGKILL runs none of its cleanup).
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 
@@ -19,8 +23,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+PR_SET_PDEATHSIG = 1
+"""prctl option (linux/prctl.h): the signal this process gets when its parent dies."""
+PARENT_POLL_S = 0.5
+"""How often the watchdog looks for a dead parent, where the parent-death signal is unavailable."""
+
 DEFAULT_TIMEOUT_S = 300.0
 """Seconds a collective waits for a stalled peer before failing (torch's default is 30 minutes)."""
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+"""A year. Python's timedelta holds neither inf nor 1e300 s, and a deadline centuries out risks
+overflowing clocks kept in int64 nanoseconds; no run needs to wait longer for a stalled peer."""
 
 
 class RankDiedError(RuntimeError):
@@ -46,12 +58,41 @@ def check_backend(backend: str) -> None:
 
 
 def check_timeout(timeout: float) -> datetime.timedelta:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be a finite number of seconds > 0 and at most {MAX_TIMEOUT_S:.0f} (a year), "
+                         f"got {timeout!r}")
     return datetime.timedelta(seconds=timeout)
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float, fn, args, results):
+def _set_parent_death_signal() -> bool:
+    """Linux: have the kernel SIGKILL this process when its parent dies; False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # no libc to load, or no prctl in it
+        return False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:  # an orphan is adopted by another process
+        time.sleep(PARENT_POLL_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make this rank die when the launcher `parent_pid` does, however it dies, so that no rank
+    of a killed launcher goes on computing (or holding a GPU). The parent-death signal fires
+    when the thread that started the rank exits: spawn() waits in it for the ranks' results."""
+    if not _set_parent_death_signal():
+        threading.Thread(target=_watch_parent, args=(parent_pid,), name="dcp-parent-watchdog", daemon=True).start()
+    if os.getppid() != parent_pid:  # the launcher died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _worker(rank: int, world_size: int, parent_pid: int, port: int, backend: str, timeout: float, fn, args, results):
+    _die_with_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -84,7 +125,8 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = DE
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
-    processes = [ctx.Process(target=_worker, args=(rank, world_size, port, backend, timeout, fn, args, results), daemon=False)
+    processes = [ctx.Process(target=_worker, args=(rank, world_size, os.getpid(), port, backend, timeout, fn, args, results),
+                             daemon=False)
                  for rank in range(world_size)]
     for process in processes:
         process.start()

@@ -4,6 +4,7 @@ before any weight is used (and, through the demo, before any rank starts)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -37,6 +38,36 @@ def test_missing_shard_names_the_file(copy_of_v3):
     shard = sorted(set(index["weight_map"].values()))[1]
     (copy_of_v3 / shard).unlink()
     with pytest.raises(ValueError, match=f"checkpoint shard .*{shard} is missing: model.safetensors.index.json lists it"):
+        load_pretrained(copy_of_v3, kv_capacity=64)
+
+
+def _bad_json_header(data: bytes) -> bytes:
+    return (16).to_bytes(8, "little") + b"{not json, at a" + data[23:]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: data[: len(data) // 2], r"is truncated: tensor .* ends at byte \d+ of the data, which holds \d+ bytes"),
+    (lambda data: b"\xff" * len(data), r"is not a safetensors file, or is truncated: its header length "
+                                        r"18446744073709551615 exceeds the \d+ bytes that follow it"),
+    (lambda data: data[:5], r"is not a safetensors file: 5 bytes, fewer than the header length's 8"),
+    (_bad_json_header, r"is not a safetensors file: its header is not JSON"),
+], ids=["truncated", "garbage", "shorter-than-8-bytes", "header-not-json"])
+def test_damaged_shard_names_the_file_before_any_weight_is_read(copy_of_v3, damage, message, capsys, monkeypatch):
+    from dcp_compile import scenario
+
+    index = json.loads((copy_of_v3 / "model.safetensors.index.json").read_text())
+    shard = copy_of_v3 / sorted(set(index["weight_map"].values()))[1]
+    shard.write_bytes(damage(shard.read_bytes()))
+    with pytest.raises(ValueError, match=f"{shard} {message}"):
+        load_pretrained(copy_of_v3, kv_capacity=64)
+    monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    assert main(["demo", "--checkpoint", str(copy_of_v3)]) == 2
+    assert str(shard) in capsys.readouterr().err
+
+
+def test_index_whose_weight_map_is_not_an_object_names_the_file(copy_of_v3):
+    (copy_of_v3 / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.norm.weight"]}))
+    with pytest.raises(ValueError, match="model.safetensors.index.json is not a safetensors index"):
         load_pretrained(copy_of_v3, kv_capacity=64)
 
 
@@ -81,6 +112,39 @@ def test_bad_config_names_the_field(copy_of_v3, changes, message):
         read_config(copy_of_v3)
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rope_parameters.rope_theta", 0), ("rope_parameters.rope_theta", -1e4), ("rope_parameters.rope_theta", NAN),
+    ("rope_parameters.factor", NAN), ("rope_parameters.factor", INF), ("rope_parameters.beta_fast", -32),
+    ("rope_parameters.beta_slow", NAN), ("rope_parameters.mscale", NAN), ("rope_parameters.mscale_all_dim", -0.7),
+    ("rope_parameters.attention_factor", INF), ("rope_parameters.attention_factor", 0),
+    ("routed_scaling_factor", NAN), ("routed_scaling_factor", 0), ("routed_scaling_factor", -INF),
+    ("rms_norm_eps", 0), ("rms_norm_eps", INF), ("rms_norm_eps", 10**400),
+], ids=lambda value: value if isinstance(value, str) else repr(value)[:8])
+def test_a_number_the_model_cannot_use_names_the_field(copy_of_v3, field, value):
+    """0, negative, NaN or inf where the model needs a finite number > 0: never bent into a default."""
+    config = json.loads((copy_of_v3 / "config.json").read_text())
+    *parents, key = field.split(".")
+    node = config
+    for parent in parents:
+        node = node[parent]
+    node[key] = value
+    (copy_of_v3 / "config.json").write_text(json.dumps(config))  # Python's json writes NaN and Infinity
+    with pytest.raises(ValueError, match=re.escape(f"config.json: {field} must be a finite positive number, got "
+                                                   f"{json.loads(json.dumps(value))!r}")):
+        read_config(copy_of_v3)
+
+
+def test_rope_theta_0_is_an_error_not_the_default(copy_of_v3):
+    edit_config(copy_of_v3, rope_parameters=None, rope_theta=0)
+    with pytest.raises(ValueError, match=re.escape("config.json: rope_theta must be a finite positive number, got 0")):
+        read_config(copy_of_v3)
+    edit_config(copy_of_v3, rope_theta=None)
+    assert read_config(copy_of_v3).model.rope_theta == 10000.0  # transformers' default, where the field is absent
+
+
 @pytest.mark.parametrize("changes, tp_size, message", [
     ({}, 3, "num_attention_heads 8 does not split over tp_size 3"),
     (dict(moe_intermediate_size=20), 8, "moe_intermediate_size 20 does not split over tp_size 8"),
@@ -101,6 +165,19 @@ def test_no_weights_and_no_config(tmp_path, copy_of_v3):
         load_pretrained(copy_of_v3, kv_capacity=64)
     with pytest.raises(ValueError, match=r"num_layers must be in \[1, 4\]"):
         load_pretrained(copy_of_v3, kv_capacity=64, num_layers=5)
+
+
+@pytest.mark.parametrize("text, kind", [("[1, 2]", "a JSON array"), ('"v3"', "a JSON string"), ("null", "JSON null")])
+def test_config_that_is_not_an_object_names_the_file(copy_of_v3, text, kind, capsys, monkeypatch):
+    from dcp_compile import scenario
+
+    (copy_of_v3 / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=f"config.json must hold a JSON object of the model's settings, not {kind}"):
+        read_config(copy_of_v3)
+    monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    assert main(["demo", "--checkpoint", str(copy_of_v3)]) == 2
+    assert capsys.readouterr().err == (f"dcp-compile demo: error: {copy_of_v3 / 'config.json'} must hold a JSON object "
+                                       f"of the model's settings, not {kind}\n")
 
 
 @pytest.mark.parametrize("args, message", [

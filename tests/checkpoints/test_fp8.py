@@ -5,6 +5,7 @@ blocks, and at TP 2 a rank's rows start inside a block), then checks the dequant
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -73,3 +74,19 @@ def test_fp8_logits_are_within_quantization_error(fp8_folders, v3):
     relative = float((logits[0] - unquantized[0]).norm() / unquantized[0].norm())
     assert 0.01 < weight_error < 0.07
     assert weight_error / 10 < relative < 8 * weight_error
+
+
+@pytest.mark.parametrize("suffix, index, value", [("", (130, 17), float("nan")), ("_scale_inv", (0, 0), float("inf"))],
+                         ids=["nan-in-the-float8-values", "inf-in-the-scales"])
+def test_a_non_finite_float8_weight_or_scale_names_the_tensor(fp8_folders, tmp_path, suffix, index, value):
+    fp8, _, _ = fp8_folders
+    folder = tmp_path / "fp8"
+    shutil.copytree(fp8, folder)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    tensors = load_file(folder / "model.safetensors")
+    assert tensors[name].dtype == torch.float8_e4m3fn
+    tensors[name + suffix][index] = value
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=re.escape(f"tensor {name + suffix} in {folder / 'model.safetensors'} is not "
+                                                   f"finite: element {list(index)} is {value}")):
+        load_pretrained(folder, kv_capacity=64)

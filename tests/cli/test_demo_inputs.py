@@ -11,8 +11,13 @@ import time
 import uuid
 
 import pytest
+import torch
 
+import dcp_compile
 from dcp_compile.cli.main import main
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.scenario import Driver, Scenario, compare
 
 
 @pytest.mark.parametrize("args, message", [
@@ -23,7 +28,21 @@ from dcp_compile.cli.main import main
     (["--tp-size", "3"], "tp_size 3 does not split model tiny"),
     (["--interleave", "3", "--page-size", "4"], "interleave 3 must divide the page size 4"),
     (["--context", "5000"], "the pool holds 4095"),
-    (["--timeout", "0"], "timeout must be a positive number"),
+    (["--page-size", "3"], "page_size (--page-size, default the interleave) 3 must divide the KV pool's 4096 rows "
+                           "(kv_rows) and be a multiple of the interleave 1"),
+    (["--kernels", "flashinfer", "--page-size", "2", "--dcp-size", "4", "--tp-size", "4"],
+     "--kernels flashinfer reads each rank's KV as whole local blocks: page size 2 with interleave 1 over dcp_size 4"),
+    (["--kernels", "npu", "--block-size", "0"],
+     "block_size (--block-size) 0 is not a block size FIA takes: a multiple of 16, at most 1024"),
+    (["--kernels", "npu", "--block-size", "7"],
+     "block_size (--block-size) 7 is not a block size FIA takes: a multiple of 16, at most 1024"),
+    (["--kernels", "npu", "--block-size", "2048"], "block_size (--block-size) 2048 is not a block size FIA takes"),
+    (["--kernels", "npu", "--block-size", "48"], "block_size (--block-size) 48 makes pages of 96 locations at dcp_size 2, "
+                                                 "which must divide the KV pool's 4096 rows (kv_rows)"),
+    (["--timeout", "0"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got 0.0"),
+    (["--timeout", "inf"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got inf"),
+    (["--timeout", "nan"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got nan"),
+    (["--timeout", "1e300"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got 1e+300"),
 ])
 def test_bad_demo_input_is_one_line_and_exit_2_before_any_rank(args, message, capsys, monkeypatch):
     from dcp_compile import scenario
@@ -32,6 +51,62 @@ def test_bad_demo_input_is_one_line_and_exit_2_before_any_rank(args, message, ca
     assert main(["demo", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def _no_rank(monkeypatch):
+    from dcp_compile import scenario
+
+    monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+
+
+def test_cuda_without_a_gpu_is_refused_before_any_rank(capsys, monkeypatch):
+    _no_rank(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["demo", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == ("dcp-compile demo: error: --device cuda needs a CUDA GPU, and torch finds none "
+                                       "here (torch.cuda.is_available() is False)\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["demo", "--device", "cuda", "--dcp-size", "2", "--tp-size", "2"]) == 2
+    assert capsys.readouterr().err == ("dcp-compile demo: error: --device cuda spawns one rank per GPU: --tp-size 2 "
+                                       "needs 2 GPUs, this host has 1\n")
+
+
+def test_triton_kernels_on_cpu_need_the_interpreter_and_triton(capsys, monkeypatch):
+    from dcp_compile.lowering import triton as triton_kernels
+
+    _no_rank(monkeypatch)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert main(["demo", "--kernels", "triton"]) == 2
+    assert capsys.readouterr().err == ("dcp-compile demo: error: --kernels triton on the CPU runs the Triton kernels in "
+                                       "Triton's interpreter, which is off: set TRITON_INTERPRET=1 (no Triton driver "
+                                       "runs on the CPU)\n")
+    monkeypatch.setattr(triton_kernels, "available", lambda: False)
+    assert main(["demo", "--kernels", "triton"]) == 2
+    assert capsys.readouterr().err == ("dcp-compile demo: error: --kernels triton needs the triton package (pip "
+                                       "install triton)\n")
+
+
+def test_decode_reserves_one_token_a_step_and_verify_k():
+    Scenario(batch=1, contexts=(4000,), steps=14)
+    Scenario(mode="extend", batch=1, contexts=(4000,), chunk=512, steps=14)
+    with pytest.raises(ValueError, match=r"the contexts need up to 4098 KV locations \(1 requests of up to 4098 tokens\); "
+                                         r"the pool holds 4095"):
+        Scenario(mode="verify", batch=1, contexts=(4000,), steps=14, draft_len=7)
+
+
+def test_a_decode_run_may_fill_the_pool_to_its_last_location():
+    scenario = Scenario(batch=1, contexts=(247,), steps=8, kv_rows=256)  # 255 usable locations
+    result = compare(scenario)
+    assert result["tokens_total"] == scenario.kv_rows - 1 and result["tokens_match"] and result["outputs_match"]
+
+
+def test_the_drivers_request_table_knows_the_vocabulary():
+    vocab = preset("tiny").vocab_size
+    model = dcp_compile.apply(MLAModel(preset("tiny"), kv_capacity=64, max_requests=2), 1)
+    driver = Driver(model, Scenario(dcp_size=1, tp_size=1, batch=2, contexts=(3,), steps=1, kv_rows=64), vocab)
+    with pytest.raises(ValueError, match=rf"request 1's token id {vocab} is outside the vocabulary \[0, {vocab}\)"):
+        driver.table.extend_batch([0, 1], [[1, 2], [vocab]])
 
 
 def _marked_processes(marker: str) -> list[int]:
@@ -47,7 +122,10 @@ def _marked_processes(marker: str) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
-def test_a_terminated_cli_leaves_no_process_behind():
+@pytest.mark.parametrize("sig, exit_code, gone_within_s", [(signal.SIGTERM, 143, 15), (signal.SIGKILL, -signal.SIGKILL, 5)],
+                         ids=["SIGTERM", "SIGKILL"])
+def test_a_terminated_or_killed_cli_leaves_no_process_behind(sig, exit_code, gone_within_s):
+    """SIGTERM: the CLI stops its ranks. SIGKILL runs no cleanup: the ranks die with their parent."""
     marker = f"DCP_TEST_MARKER={uuid.uuid4()}"
     env = {**os.environ, "DCP_TEST_MARKER": marker.split("=", 1)[1]}
     cli = subprocess.Popen([sys.executable, "-m", "dcp_compile.cli.main", "demo", "--steps", "100"], env=env,
@@ -56,9 +134,24 @@ def test_a_terminated_cli_leaves_no_process_behind():
     while len(_marked_processes(marker)) < 3 and time.time() < deadline:  # the CLI and its 2 ranks
         time.sleep(0.2)
     assert len(_marked_processes(marker)) >= 3
-    cli.send_signal(signal.SIGTERM)
-    assert cli.wait(timeout=30) == 143
-    deadline = time.time() + 15
+    cli.send_signal(sig)
+    assert cli.wait(timeout=30) == exit_code
+    deadline = time.time() + gone_within_s
     while _marked_processes(marker) and time.time() < deadline:
         time.sleep(0.2)
     assert _marked_processes(marker) == []
+
+
+@pytest.mark.parametrize("error, line", [
+    (ZeroDivisionError("integer division or modulo by zero"), "ZeroDivisionError: integer division or modulo by zero"),
+    (OSError(28, "No space left on device"), "OSError: [Errno 28] No space left on device"),
+    (KeyError("weight_map"), "KeyError: 'weight_map'"),
+    (ValueError(""), "ValueError"),
+    (RuntimeError("first line\nsecond line"), "first line"),
+])
+def test_any_error_exits_2_with_one_line(error, line, capsys, monkeypatch):
+    from dcp_compile.cli import demo
+
+    monkeypatch.setattr(demo, "compare", lambda scenario: (_ for _ in ()).throw(error))
+    assert main(["demo"]) == 2
+    assert capsys.readouterr().err == f"dcp-compile demo: error: {line}\n"

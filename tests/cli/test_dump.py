@@ -3,7 +3,9 @@ and a clear error for each kind of bad input."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -14,6 +16,7 @@ import torch
 
 import dcp_compile
 from dcp_compile.cli.main import main
+from dcp_compile.debug import dump as text_dump
 from dcp_compile.debug import svg
 from dcp_compile.debug.dump import OP_DIFF_TXT, REPORT_JSON, snapshot_name
 from dcp_compile.models.config import preset
@@ -180,6 +183,20 @@ def test_svg_without_dot_is_a_clear_error(tmp_path, capsys, monkeypatch):
     (["--batch", "0"], "batch must be >= 1"),
     (["--interleave", "4", "--page-size", "6"], "interleave size 4 must divide the page size 6"),
     (["--layers", "0"], "num_layers must be >= 1"),
+    (["--draft-len", "17", "--mode", "verify"], "draft-len must be in [1, 16] (verify's k), got 17"),
+    (["--draft-len", "0"], "draft-len must be in [1, 16] (verify's k), got 0"),
+    (["--context", "1000000000"], "context 1000000000 exceeds the dump's limit of 1048576 tokens"),
+    (["--batch", "100000"], "batch 100000 exceeds the dump's limit of 1024 requests"),
+    (["--mode", "extend", "--chunk", "2000000"], "chunk 2000000 exceeds the dump's limit of 1048576 tokens"),
+    (["--page-size", "2097152"], "page-size 2097152 exceeds the dump's limit of 1048576 locations"),
+    (["--kernels", "npu", "--block-size", "0"], "block-size must be >= 1, got 0"),
+    (["--kernels", "npu", "--block-size", "1048576"], "block-size 1048576 makes pages of 2097152 locations, more than "
+                                                      "the dump's limit of 1048576"),
+    (["--layers", "1000"], "tiny with 1000 layers exceeds the dump's limit of 256 layers"),
+    (["--batch", "1024", "--context", "131072", "--page-size", "64"],
+     "1024 requests of 131073 tokens make 134218752 page-table entries, more than the dump's limit of 67108864"),
+    (["--batch", "64", "--context", "131072"], "64 requests of 131073 tokens need 8388672 pages of 1, more than the dump's "
+                                               "limit of 2097152: use a larger --page-size"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, capsys, options, message):
     code, out = dump(tmp_path, *options)
@@ -189,12 +206,39 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, options, message):
     assert not out.exists()  # rejected before anything is written
 
 
+def test_an_empty_output_folder_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["dump", "--model", "tiny", "--layers", "1", "--out", ""]) == 2
+    assert capsys.readouterr().err == "dcp-compile dump: error: --out must name a folder, got ''\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_long_context_dump_of_a_real_model_fits_the_limits(tmp_path):
+    """Kimi-K2's 128k context at a batch of 256, with pages as engines make them."""
+    code, out = dump(tmp_path, "--model", "kimi-k2", "--layers", "1", "--context", "131072", "--batch", "256",
+                     "--page-size", "64", "--only", "rewrite_attention")
+    assert code == 0
+    before = (out / "graph00" / snapshot_name(PASS_NAMES.index("rewrite_attention"), "rewrite_attention", "before"))
+    assert 'L_req_to_token_: "i64[256, 131073]"' in before.read_text()
+
+
 def test_output_folder_that_cannot_be_written(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     code = main(["dump", "--model", "tiny", "--out", str(blocker / "out")])
     assert code == 2
     assert f"cannot write to output folder {blocker / 'out'}" in capsys.readouterr().err
+
+
+def test_a_full_disk_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    def disk_full(writer, graph_index, report):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(writer.graph_folder(graph_index) / REPORT_JSON))
+
+    monkeypatch.setattr(text_dump.TextDump, "pipeline_done", disk_full)
+    code, out = dump(tmp_path, "--model", "tiny", "--layers", "1")
+    assert code == 2
+    assert capsys.readouterr().err == (f"dcp-compile dump: error: OSError: [Errno 28] No space left on device: "
+                                       f"'{out / 'graph00' / REPORT_JSON}'\n")
 
 
 def test_environment_variable_writes_the_same_files(tmp_path, monkeypatch, tiny_html):

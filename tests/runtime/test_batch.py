@@ -93,9 +93,48 @@ def test_extend_batch_is_atomic_when_the_pool_runs_out():
     (lambda t: t.extend_batch([0, 1], [[1], []]), "empty token list"),
     (lambda t: t.extend_batch([0, 0], [[1], [2]]), "appears twice"),
     (lambda t: t.truncate(5, 0), "request must be an int"),
+    (lambda t: t.extend_batch([0], [[5, -5]]), r"request 0's token id -5 is outside the vocabulary \[0, 100\)"),
+    (lambda t: t.extend_batch([0, 1], [[1], [2, 10**12]]), r"request 1's token id 1000000000000 is outside the vocabulary"),
+    (lambda t: t.extend_batch([0], [[1, 100]]), r"request 0's token id 100 is outside the vocabulary \[0, 100\)"),
+    (lambda t: t.extend_batch([0], [[1, 2.0]]), r"request 0's token ids must be ints, got 2.0"),
+    (lambda t: t.extend_batch([0], [[True]]), r"request 0's token ids must be ints, got True"),
 ])
 def test_request_table_rejects_bad_calls_and_changes_nothing(call, message):
-    table = RequestTable(2, 16, 64)
+    table = RequestTable(2, 16, 64, vocab_size=100)
     with pytest.raises(ValueError, match=message):
         call(table)
     assert int(table.seq_lens.sum()) == 0 and len(table.free_pages) == 63
+
+
+@pytest.mark.parametrize("length", [True, 2.0])
+def test_truncate_takes_an_int_length(length):
+    table = RequestTable(1, 16, 64)
+    table.append(0, 3)
+    with pytest.raises(ValueError, match=rf"a request is truncated to a whole number of tokens in \[0, 3\], got {length}"):
+        table.truncate(0, length)
+    assert int(table.seq_lens[0]) == 3 and table.req_to_token[0, :3].tolist() == [1, 2, 3]
+
+
+def test_token_ids_are_not_checked_without_a_vocabulary():
+    table = RequestTable(1, 16, 64)
+    assert table.extend_batch([0], [[5, 10**6]]).input_ids.tolist() == [5, 10**6]
+    assert RequestTable(1, 16, 64, vocab_size=10**6 + 1).extend_batch([0], [[0, 10**6]]).input_ids.tolist() == [0, 10**6]
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((2, 32, -4), {}, r"capacity must be an int >= 2 \(location 0 is reserved\), got -4"),
+    ((2, 32, 1), {}, r"capacity must be an int >= 2 \(location 0 is reserved\), got 1"),
+    ((2, 32, 64.0), {}, r"capacity must be an int >= 2 \(location 0 is reserved\), got 64.0"),
+    ((0, 32, 64), {}, r"max_requests must be an int >= 1, got 0"),
+    ((True, 32, 64), {}, r"max_requests must be an int >= 1, got True"),
+    ((2, 0, 64), {}, r"max_context must be an int >= 1, got 0"),
+    ((2, 32.5, 64), {}, r"max_context must be an int >= 1, got 32.5"),
+    ((2, 32, 64), dict(page_size=True), r"page_size must be an int >= 1, got True"),
+    ((2, 32, 64), dict(dcp_size=2.0), r"dcp_size must be an int >= 1, got 2.0"),
+    ((2, 32, 64), dict(interleave=False), r"interleave must be an int >= 1, got False"),
+    ((2, 32, 64), dict(vocab_size=0), r"vocab_size must be an int >= 1, got 0"),
+    ((2, 32, 64), dict(vocab_size=True), r"vocab_size must be an int >= 1, got True"),
+])
+def test_request_table_rejects_bad_sizes(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RequestTable(*args, **kwargs)
