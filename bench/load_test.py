@@ -8,7 +8,7 @@ logits are compared (fp32: within 1e-5, greedy tokens equal; the DCP model is fe
 baseline's tokens). Each rank's resident memory is sampled every step; after `--warmup` steps
 it must stay flat (the growth is reported, and a least-squares slope per 100 steps).
 
-    python bench/load_test.py                        # 260 steps, writes bench/results/load_test_cpu.json
+    python bench/load_test.py                        # 400 steps, writes bench/results/load_test_cpu.json
     python bench/load_test.py --steps 60 --no-save   # quick
 """
 
@@ -76,7 +76,7 @@ def run_on_rank(rank: int, world: int, steps: int, warmup: int, seed: int) -> di
     cfg = preset("tiny")
     tp = parallel.build(2)
     models = [dcp_compile.apply(MLAModel(cfg, KV_ROWS, MAX_REQUESTS, par=tp, seed=seed), dcp) for dcp in (1, 2)]
-    tables = [RequestTable(MAX_REQUESTS, MAX_CONTEXT, KV_ROWS, dcp_size=dcp) for dcp in (1, 2)]
+    tables = [RequestTable(MAX_REQUESTS, MAX_CONTEXT, KV_ROWS, dcp_size=dcp, vocab_size=cfg.vocab_size) for dcp in (1, 2)]
     schedule = Schedule(seed, cfg.vocab_size)
     active: dict[int, list[int]] = {}  # request -> its tokens so far (the baseline's greedy ones)
     counts = {"join": 0, "leave": 0, "decode": 0, "verify": 0}
@@ -148,8 +148,8 @@ def run_on_rank(rank: int, world: int, steps: int, warmup: int, seed: int) -> di
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=260)
-    parser.add_argument("--warmup", type=int, default=60, help="steps before memory must stay flat")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=100, help="steps before memory must stay flat")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-growth-mib", type=float, default=32.0)
     parser.add_argument("--no-save", action="store_true")
