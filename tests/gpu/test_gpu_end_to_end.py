@@ -113,3 +113,44 @@ def test_dcp2_graph_replay_matches_eager():
     from dcp_compile.runtime.launch import spawn
 
     assert max(spawn(_graph_vs_eager_on_rank, 2, backend="nccl")) < 1e-4
+
+
+@cuda
+def test_a_bad_page_table_entry_is_masked_flagged_and_raised_at_the_next_check():
+    """On a device the batch guard never reads outside the pool and never syncs: the entry is
+    masked, a device flag is set, and the model raises when it reads the flags back."""
+    model = dcp_compile.apply(MLAModel(MLA_ONLY, kv_capacity=1024, max_requests=4, device="cuda"), 1, kernels="triton")
+    table = RequestTable(4, 64, 1024)
+    batch = table.extend_batch([0, 1], [[5] * 9, [6] * 3]).to("cuda")
+    batch.req_to_token[0, 2] = 5000  # past the pool's 1024 locations
+    out = model(*batch.args())
+    assert torch.isfinite(out).all()
+    with pytest.raises(IndexError, match="page-table entry in use outside the pool"):
+        model.check_errors()
+    batch = table.extend_batch([0, 1], [[1], [2]]).to("cuda")
+    batch.seq_lens[1] = 0  # a real token taken for padding
+    model(*batch.args())
+    with pytest.raises(ValueError, match="padded row"):
+        model.check_errors()
+    assert torch.isfinite(model(*table.extend_batch([0, 1], [[3], [4]]).to("cuda").args())).all()
+    model.check_errors()  # the flags were cleared
+
+
+@cuda
+def test_unpadded_prefills_share_symbolic_graphs_and_match_static_ones():
+    model = dcp_compile.apply(MLAModel(MLA_ONLY, kv_capacity=4096, max_requests=4, device="cuda"), 1, kernels="triton")
+    table = RequestTable(4, 256, 4096)
+    lengths = list(range(2, 40, 3))
+
+    def run(step, length):
+        batch = table.extend_batch([0, 1], [[5] * length, [6] * (length + 7)]).to("cuda")
+        out = step(*batch.args())
+        for request in (0, 1):
+            table.truncate(request, 0)
+        return out
+
+    symbolic = [run(model, n) for n in lengths]
+    assert len(dcp_compile.state(model).reports) <= 3  # one symbolic graph (and dynamo's own specialisations)
+    static = [run(model.compiled("gather-q"), n) for n in lengths]  # one static graph per shape
+    for got, expected in zip(symbolic, static):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
