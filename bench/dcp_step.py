@@ -136,7 +136,7 @@ def bench_layer(args, device, timer, tp) -> list[dict]:
                         positions, q_seq_ids, out_loc = verify_inputs(batch, context, k, table)
                         inputs = (rand(tokens, 32, 512), rand(tokens, 32, 64), rand(tokens, 512), rand(tokens, 64), out_loc,
                                   table, torch.full((batch,), context, device=device), q_seq_ids, positions)
-                        slot.current = host_metadata(batch, context, k, dcp_size, max(args.contexts))
+                        slot.begin(host_metadata(batch, context, k, dcp_size, max(args.contexts)))
                         try:
                             timing = timer(lambda: step(*inputs))
                             seconds = slowest(timing["seconds"], device)
@@ -145,7 +145,7 @@ def bench_layer(args, device, timer, tp) -> list[dict]:
                         except Exception as error:  # noqa: BLE001 - reported, the run goes on
                             seconds, entry = float("nan"), {"error": f"{type(error).__name__}: {error}"[:300]}
                         finally:
-                            slot.current = None
+                            slot.end()
                         rows.append({"lowering": lowering, "dcp_size": dcp_size, "context": context, "batch": batch,
                                      "k": k, "step_seconds": seconds, **entry})
             del model, layer
@@ -183,7 +183,7 @@ def bench_stack(args, device, tp, lowering: str = "flashinfer") -> list[dict]:
                     for k in (1, args.draft):
                         width = max(args.stack_contexts)
                         inputs = stack_batch(batch, context, k, dcp_size, device, width).args()
-                        slot.current = host_metadata(batch, context, k, dcp_size, width)
+                        slot.begin(host_metadata(batch, context, k, dcp_size, width))
                         try:
                             timing = timer(lambda: step(*inputs))
                             seconds = slowest(timing["seconds"], device)
@@ -191,7 +191,7 @@ def bench_stack(args, device, tp, lowering: str = "flashinfer") -> list[dict]:
                         except Exception as error:  # noqa: BLE001
                             seconds, entry = float("nan"), {"error": f"{type(error).__name__}: {error}"[:300]}
                         finally:
-                            slot.current = None
+                            slot.end()
                         rows.append({"lowering": lowering, "dcp_size": dcp_size, "context": context, "batch": batch, "k": k,
                                      "layers": cfg.num_layers, "step_seconds": seconds, **entry})
             del compiled, model

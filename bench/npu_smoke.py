@@ -6,7 +6,7 @@ one decode attention layer with NPU graphs.
 
 On NPUs (torch_npu, CANN >= 8.5):
   - correctness: DCP = 2 against DCP = 1 under the NPU lowering (FIA + npu_attention_update),
-    decode and verify with k = 7, the tiny-512 model in bf16 (dcp_compile.scenario);
+    decode and verify with k = 7, the tiny-512 model in bf16 (dcp_compile.harness.scenario);
   - timing: one MLA decode attention layer at Kimi-K2 shapes (64 heads in all, TP = 2, R = 512,
     P = 64, bf16, FIA block size 128), DCP = 1 and DCP = 2 side by side, replayed from NPU graphs
     whose FIA lengths are refreshed before every replay; median step time, slowest rank.
@@ -35,11 +35,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import dcp_compile  # noqa: E402
-from dcp_compile import scenario as scenarios  # noqa: E402
+from dcp_compile.harness import scenario as scenarios  # noqa: E402
 from dcp_compile.runtime import parallel  # noqa: E402
 from dcp_compile.runtime.batch import RequestTable  # noqa: E402
 from dcp_compile.runtime.graph_runner import NPUGraphs  # noqa: E402
-from dcp_compile.runtime.host_metadata import fia_update_inputs  # noqa: E402
 from dcp_compile.runtime.launch import init_from_env, spawn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -94,10 +93,10 @@ class Stepper:
         if device.type == "npu":
             self.graphs = NPUGraphs()
             slot = state.host_slot
-            slot.current = host
+            slot.begin(host)
             self.graph, _ = self.graphs.capture(lambda: model.compiled("gather-q")(*inputs))
-            slot.current = None
-            self.updates = fia_update_inputs(slot.fia_args, host.for_rank(state.parallel.dcp_rank))
+            slot.end()
+            self.updates = [update for feed in slot.fed for update in feed.graph_updates(feed.rank_view(host)) or []]
 
     def __call__(self):
         if self.graph is not None:

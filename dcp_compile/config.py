@@ -6,7 +6,6 @@ import dataclasses
 from dataclasses import dataclass
 
 INNER_COMPILERS = ("eager", "inductor", "torchair")
-KERNEL_BACKENDS = ("auto", "torch", "triton", "flashinfer", "npu")
 
 
 @dataclass(frozen=True)
@@ -25,11 +24,13 @@ class DCPConfig:
     """inner_compile='torchair': 'reduce-overhead' (aclgraph) or 'npugraph_ex' (torch_npu >= 2.14)."""
 
     kernels: str = "auto"
-    """'torch' reference kernels, 'triton' kernels, 'flashinfer' (CUDA, Hopper: FlashInfer's MLA
-    kernel for attention over the KV pool, Triton for the rest; a torch stand-in of FlashInfer on
-    CPU), 'npu' (Ascend: FIA for attention over the KV pool, npu_attention_update for the merge;
-    CPU stand-ins where torch_npu is absent), or 'auto' (on CUDA, flashinfer where it is installed
-    and serves the GPU and the model, else triton; npu on Ascend NPUs; torch elsewhere)."""
+    """The kernel back end (dcp_compile.lowering.registry): 'torch' reference kernels, 'triton'
+    kernels, 'flashinfer' (CUDA, Hopper: FlashInfer's MLA kernel for attention over the KV pool,
+    Triton for the rest; a torch stand-in of FlashInfer on CPU), 'npu' (Ascend: FIA for attention
+    over the KV pool, npu_attention_update for the merge; CPU stand-ins where torch_npu is
+    absent), one registered by the user, or 'auto' (on CUDA, flashinfer where it is installed and
+    serves the GPU and the model, else triton; npu on Ascend NPUs; torch elsewhere). apply()
+    records the back end it resolved here."""
 
     attention_strategy: str = "auto"
     """'gather-q', 'gather-kv', or 'auto': the cost model picks per batch (dcp_compile.cost_model)."""
@@ -50,8 +51,10 @@ class DCPConfig:
             raise ValueError(f"interleave must be an integer >= 1, got {self.interleave!r}")
         if self.inner_compile not in INNER_COMPILERS:
             raise ValueError(f"inner_compile must be one of {INNER_COMPILERS}, got {self.inner_compile!r}")
-        if self.kernels not in KERNEL_BACKENDS:
-            raise ValueError(f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
+        from dcp_compile.lowering import registry  # the registered back ends, user ones included
+
+        if self.kernels != registry.AUTO:
+            registry.get(self.kernels)  # raises for a name no back end is registered under
         if self.torchair_mode not in ("reduce-overhead", "npugraph_ex"):
             raise ValueError(f"torchair_mode must be 'reduce-overhead' or 'npugraph_ex', got {self.torchair_mode!r}")
         if self.kernels == "npu" and self.inner_compile == "inductor":

@@ -15,7 +15,8 @@ from dcp_compile.debug import fake_capture
 from dcp_compile.debug.dump import op_diff
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
-from dcp_compile.passes import PassConfig, PassManager
+from dcp_compile.lowering import registry
+from dcp_compile.passes import PassConfig, PassManager, default_passes
 from dcp_compile.passes.graph_utils import op_counts
 from dcp_compile.runtime.batch import RequestTable
 
@@ -77,11 +78,13 @@ class Recorder:
 
 
 def run_passes(gm: fx.GraphModule, dcp_size=2, dcp_rank=0, interleave=1, debug_checks=False, disabled=(),
-               attention_strategy="gather-q", kernels="auto", page_size=1):
-    """Run the default pipeline on a copy of gm. Returns (rewritten gm, report, recorder)."""
+               attention_strategy="gather-q", kernels="torch", page_size=1):
+    """Run the pipeline of back end `kernels` on a copy of gm (the graphs here are on the CPU,
+    where 'auto' is 'torch'). Returns (rewritten gm, report, recorder)."""
     gm = copy.deepcopy(gm)
     recorder = Recorder()
     config = PassConfig(dcp_size, dcp_rank, interleave, "fake-dcp-group" if dcp_size > 1 else None, debug_checks,
-                        attention_strategy, kernels, page_size)
-    report = PassManager(config, disabled, observers=[recorder]).run(gm)
+                        attention_strategy, page_size)
+    lowering = registry.get("torch" if kernels == "auto" else kernels)
+    report = PassManager(config, disabled, passes=default_passes(lowering.passes()), observers=[recorder]).run(gm)
     return gm, report, recorder

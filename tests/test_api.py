@@ -24,7 +24,7 @@ def test_dcp_size_one_is_the_plain_model():
     batch_b = table_b.extend_batch([0, 1], [[3, 4, 5], [6]], pad_rows=1)
     torch.testing.assert_close(compiled(*batch_b.args()), eager(*batch_a.args()), atol=0, rtol=0)
     summary = dcp_compile.state(compiled).pass_summary()
-    assert summary["shard_kv_write"] == 0 and summary["rewrite_attention"] == 0
+    assert summary["shard_kv_write"] == 0 and summary["gather_q_attention"] == 0
 
 
 @pytest.mark.parametrize("dcp_size", [0, -1])

@@ -13,10 +13,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from dcp_compile.config import KERNEL_BACKENDS
+from dcp_compile.lowering import registry
 from dcp_compile.cost_model import STRATEGIES
 from dcp_compile.runtime.launch import DEFAULT_TIMEOUT_S
-from dcp_compile.scenario import MODES, Scenario, compare, compare_torchrun
+from dcp_compile.harness.scenario import MODES, Scenario, compare, compare_torchrun
 
 
 DEFAULT_CONTEXT = "1,3,17,64"
@@ -80,7 +80,7 @@ def register(sub) -> None:
                    help="how attention reaches the sharded KV (auto: the cost model picks per batch)")
     p.add_argument("--shared-prefix", type=int, default=0, help="request 1 shares this many prompt tokens of request 0")
     p.add_argument("--pad-rows", type=int, default=1, help="padded rows per batch, written to location 0")
-    p.add_argument("--kernels", default="auto", choices=KERNEL_BACKENDS,
+    p.add_argument("--kernels", default="auto", choices=registry.names(),
                    help="kernels of the DCP model: torch reference, triton (on CPU in Triton's interpreter: "
                         "TRITON_INTERPRET=1), flashinfer (CUDA, Hopper; a torch stand-in of FlashInfer on CPU), npu "
                         "(Ascend FIA + npu_attention_update; CPU stand-ins without torch_npu; both models use it), auto")
@@ -121,8 +121,7 @@ def run(args) -> int:
         contexts=_lengths(args.context or DEFAULT_CONTEXT), steps=args.steps, seed=args.seed, layers=args.layers,
         interleave=args.interleave, pad_rows=args.pad_rows, kernels=args.kernels, block_size=args.block_size,
         device=args.device, timeout=args.timeout,
-        model=Path(args.checkpoint).name if args.checkpoint else args.model or ("tiny-512" if args.kernels == "npu" else "tiny"),
-        dtype=args.dtype or ("bfloat16" if args.kernels == "npu" else "float32"),
+        model=args.model, dtype=args.dtype,
         checkpoint=args.checkpoint, prompt_ids=prompt_ids,
     )
     if args.launch == "torchrun":

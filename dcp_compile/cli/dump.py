@@ -18,14 +18,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from dcp_compile.config import KERNEL_BACKENDS
+from dcp_compile.lowering import registry
 from dcp_compile.debug import dump as text_dump
 from dcp_compile.debug.fake_capture import (ATTENTION_STRATEGIES, DTYPES, MAX_BATCH, MAX_CONTEXT, MAX_LAYERS,
                                             MAX_PAGE_TABLE_ENTRIES, MAX_PAGES, MODES, GraphSpec, capture)
 from dcp_compile.models import hf_config
 from dcp_compile.models.config import PRESETS, MLAModelConfig
-from dcp_compile.passes.manager import PASS_NAMES, PassManager, check_pass_names
-from dcp_compile.runtime.batch import MAX_DRAFT_LEN
+from dcp_compile.passes.manager import PassManager, all_pass_names, check_pass_names
+from dcp_compile.ops.internal import WINDOW_QUERIES
 
 log = logging.getLogger("dcp_compile.cli.dump")
 
@@ -71,7 +71,7 @@ def register(sub) -> None:
     p.add_argument("--only", default=None, metavar="PASS", help="dump the graphs of this pass only")
     p.add_argument("--disable", action="append", default=[], metavar="PASS", help="switch a pass off (repeatable)")
     p.add_argument("--batch", type=int, default=4, help=f"requests (default 4, at most {MAX_BATCH})")
-    p.add_argument("--draft-len", type=int, default=4, help=f"verify: tokens per request k, 1..{MAX_DRAFT_LEN} (default 4)")
+    p.add_argument("--draft-len", type=int, default=4, help=f"verify: tokens per request k, 1..{WINDOW_QUERIES} (default 4)")
     p.add_argument("--chunk", type=int, default=64, help=f"extend: new tokens per request (default 64, at most {MAX_CONTEXT})")
     p.add_argument("--context", type=int, default=256,
                    help=f"tokens cached per request before the step (default 256, at most {MAX_CONTEXT}); the batch may "
@@ -80,12 +80,12 @@ def register(sub) -> None:
     p.add_argument("--interleave", type=int, default=1, help="interleave size I (default 1)")
     p.add_argument("--page-size", type=int, default=None,
                    help=f"KV page size (default: the interleave size; at most {MAX_CONTEXT})")
-    p.add_argument("--dtype", default="bfloat16", help=f"{', '.join(DTYPES)} (default bfloat16)")
+    p.add_argument("--dtype", default=None, help=f"{', '.join(DTYPES)} (default bfloat16)")
     p.add_argument("--attention-strategy", default="auto",
                    help=f"{', '.join(ATTENTION_STRATEGIES)}: which DCP attention rewrite runs "
                         "(default auto: the cost model picks for this batch, and the summary says why)")
     p.add_argument("--debug-checks", action="store_true", help="also run the debug-check passes")
-    p.add_argument("--kernels", default="auto", choices=KERNEL_BACKENDS,
+    p.add_argument("--kernels", default="auto", choices=registry.names(),
                    help="kernels the lowering picks (flashinfer: FlashInfer MLA nodes with their host plans; npu: Ascend "
                         "FIA and npu_attention_update nodes; default auto)")
     p.add_argument("--block-size", type=int, default=128, help="--kernels npu: FIA block size (default 128)")
@@ -94,8 +94,8 @@ def register(sub) -> None:
 
 def _check_names(only: str | None, disabled: list[str]) -> None:
     check_pass_names(disabled)
-    if only is not None and only not in PASS_NAMES:
-        raise ValueError(f"unknown pass name {only!r} for --only; passes are {list(PASS_NAMES)}")
+    if only is not None and only not in all_pass_names():
+        raise ValueError(f"unknown pass name {only!r} for --only; passes are {list(all_pass_names())}")
     if only is not None and only in disabled:
         raise ValueError(f"--only {only} names a pass that --disable switches off")
 
@@ -150,8 +150,8 @@ def run(args) -> int:
             raise ValueError("--model and --checkpoint exclude each other: the checkpoint's config.json is the model")
         spec = CheckpointGraphSpec(model=Path(args.checkpoint).name, checkpoint=args.checkpoint, **fields)
     else:
-        args.model = args.model or ("tiny-512" if args.kernels == "npu" else "tiny")
         spec = GraphSpec(model=args.model, **fields)
+        args.model = spec.model
     _check_names(args.only, args.disable)
     if fmt == "svg":
         from dcp_compile.debug.svg import require_dot
@@ -168,7 +168,7 @@ def run(args) -> int:
 
         observers.append(DotDump(out, only=args.only))
     start = time.perf_counter()
-    report = PassManager(spec.pass_config(), args.disable, observers=observers).run(captured.gm)
+    report = PassManager(spec.pass_config(), args.disable, passes=spec.passes(), observers=observers).run(captured.gm)
     pipeline_seconds = time.perf_counter() - start
     data = text_dump.report_dict(report)
     graph_folder = writer.graph_folder(0)

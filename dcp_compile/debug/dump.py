@@ -3,8 +3,8 @@
 A dump folder holds one `graphNN/` folder per graph the pass manager ran on (under `rankNN/`
 when several torch.distributed ranks dump into one folder):
 
-    graph00/03-rewrite_attention.before.py   FX code with shapes and dtypes, before the pass
-    graph00/03-rewrite_attention.after.py    ... and after it (NN- is the pass's place in the order)
+    graph00/03-gather_q_attention.before.py   FX code with shapes and dtypes, before the pass
+    graph00/03-gather_q_attention.after.py    ... and after it (NN- is the pass's place in the order)
     graph00/passes.json                      per pass: ran, sites, nodes before/after, ms, op counts, op diff
     graph00/op_diff.txt                      the same, to read
 

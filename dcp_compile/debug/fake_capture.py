@@ -25,18 +25,16 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from dcp_compile import cost_model
-from dcp_compile.config import KERNEL_BACKENDS
-from dcp_compile.models.config import MLAModelConfig, allowed_tp_sizes, preset
+from dcp_compile import cost_model, strategy
+from dcp_compile.models.config import MLAModelConfig, allowed_tp_sizes
 from dcp_compile.models.mla import MLAModel
+from dcp_compile.passes import default_passes
 from dcp_compile.passes.base import PassConfig
 from dcp_compile.runtime import parallel
-from dcp_compile.runtime.batch import MAX_DRAFT_LEN, RequestTable
-from dcp_compile.runtime.host_metadata import MAX_FIA_QUERY_TOKENS
+from dcp_compile.runtime.batch import RequestTable
+from dcp_compile.workload import DTYPES, MODES, Workload
 
-MODES = ("decode", "verify", "extend")
 ATTENTION_STRATEGIES = ("auto",) + cost_model.STRATEGIES
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAKE_TP_GROUP, FAKE_DCP_GROUP = "fake-tp-group", "fake-dcp-group"
 MAX_BATCH = 1024
 """Requests in the batch (serving batches are a few hundred)."""
@@ -51,72 +49,31 @@ MAX_PAGES = 1 << 21
 
 
 @dataclass(frozen=True)
-class GraphSpec:
-    """One shape-only capture. Every field is checked when the spec is made."""
+class GraphSpec(Workload):
+    """One shape-only capture of a workload (dcp_compile.workload.Workload: model, layout, mode,
+    kernels). Every field is checked when the spec is made."""
 
-    model: str = "tiny"
-    """A preset of dcp_compile.models.config: tiny, deepseek-v3, kimi-k2, kimi-linear."""
-    layers: int | None = None
-    """Layer count, keeping the preset's layer pattern; None keeps the preset's."""
-    dcp_size: int = 2
-    """N, the ranks the KV cache is sharded over."""
     tp_size: int | None = None
     """TP ranks the heads are split over (this is rank 0); None means tp_size = dcp_size."""
-    mode: str = "decode"
-    """decode, verify or extend."""
-    batch: int = 4
-    """Requests in the batch."""
     draft_len: int = 4
-    """verify: query tokens per request (k)."""
     chunk: int = 64
     """extend: new tokens per request."""
     context: int = 256
     """Tokens already cached for each request before this step."""
-    interleave: int = 1
-    """I, the interleave size the passes use."""
-    page_size: int | None = None
-    """KV page size of the pool and request table; None means the interleave size."""
-    dtype: str = "bfloat16"
-    """Weights and KV cache dtype: float32, bfloat16 or float16."""
-    debug_checks: bool = False
-    """Run the debug-check passes (check_locations, ...) too."""
-    attention_strategy: str = "auto"
-    """How attention reaches the sharded KV: gather-q (rewrite_attention), gather-kv
-    (gather_kv_attention), or auto: the cost model's choice for this batch."""
-    kernels: str = "auto"
-    """Kernels the lowering passes pick: auto, torch, triton, flashinfer or npu (Ascend FIA)."""
-    num_heads: int | None = None
-    """Override the preset's attention heads."""
     block_size: int = 128
-    """kernels='npu': FIA's block size; the page size defaults to block_size x dcp_size
-    (interleave 1) or block_size (interleave == block_size)."""
+
+    default_dtype = "bfloat16"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         cfg = self.model_config()
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {list(MODES)}")
-        if self.attention_strategy not in ATTENTION_STRATEGIES:
-            raise ValueError(f"unknown attention strategy {self.attention_strategy!r}; choose one of {list(ATTENTION_STRATEGIES)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPES)}")
-        pages_from_blocks = self.page_size is None and self.kernels == "npu"
-        for name, value in (("batch", self.batch), ("chunk", self.chunk), ("interleave", self.interleave),
-                            ("dcp-size", self.dcp_size),
-                            ("block-size", self.block_size) if pages_from_blocks else ("page-size", self.page)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if not 1 <= self.draft_len <= MAX_DRAFT_LEN:
-            raise ValueError(f"draft-len must be in [1, {MAX_DRAFT_LEN}] (verify's k), got {self.draft_len}")
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
         if self.context < 0:
             raise ValueError(f"context must be >= 0, got {self.context}")
-        self._check_sizes(cfg, pages_from_blocks)
-        if self.page % self.interleave:
-            raise ValueError(f"interleave size {self.interleave} must divide the page size {self.page}")
-        if self.kernels not in KERNEL_BACKENDS:
-            raise ValueError(f"unknown kernels {self.kernels!r}; choose one of {list(KERNEL_BACKENDS)}")
-        if self.kernels == "npu" and (cfg.kv_lora_rank, cfg.qk_rope_head_dim) != (512, 64):
-            raise ValueError(f"--kernels npu: FIA's MLA path needs kv_lora_rank 512 and rope dim 64; "
-                             f"model {self.model} has {cfg.kv_lora_rank} and {cfg.qk_rope_head_dim} (try tiny-512)")
+        if self.page < 1:
+            raise ValueError(f"page-size must be >= 1, got {self.page}")
+        self._check_sizes(cfg, self.lowering().page_size(self.dcp_size, self.interleave, self.block_size) is not None)
         tp = self.tp
         allowed = allowed_tp_sizes(cfg)
         if tp not in allowed:
@@ -154,21 +111,8 @@ class GraphSpec:
 
     @property
     def page(self) -> int:
-        if self.page_size is not None:
-            return self.page_size
-        if self.kernels == "npu":
-            return self.block_size * self.dcp_size if self.interleave == 1 else self.block_size
-        return self.interleave
+        return self.pages
 
-    @property
-    def tp(self) -> int:
-        return self.dcp_size if self.tp_size is None else self.tp_size
-
-    def model_config(self) -> MLAModelConfig:
-        cfg = preset(self.model)
-        if self.num_heads is not None:
-            cfg = cfg.replace(num_heads=self.num_heads)
-        return cfg.with_layers(self.layers) if self.layers is not None else cfg
 
     @property
     def new_tokens(self) -> int:
@@ -184,24 +128,25 @@ class GraphSpec:
                                       tp_group_name=FAKE_TP_GROUP if self.tp > 1 else None)
 
     def strategy_decision(self) -> cost_model.Decision:
-        """The strategy for this batch: forced, or the cost model's pick and why."""
+        """The strategy for this batch, as the compiled model decides it (strategy.decide)."""
         cfg = self.model_config()
-        if self.kernels == "npu" and self.new_tokens > MAX_FIA_QUERY_TOKENS:
-            return cost_model.Decision("gather-kv", True, {}, f"{self.new_tokens} query tokens per request: more than "
-                                       f"FIA's {MAX_FIA_QUERY_TOKENS}")
-        return cost_model.choose(
-            self.attention_strategy, query_tokens=self.query_tokens, rows=self.batch,
-            width=self.context + self.new_tokens,
+        batch = strategy.BatchFacts(
+            query_tokens=self.query_tokens, rows=self.batch, width=self.context + self.new_tokens,
             visible_keys=self.batch * sum(self.context + i + 1 for i in range(self.new_tokens)),
-            heads=cfg.num_heads // self.tp, dcp_size=self.dcp_size, kv_lora_rank=cfg.kv_lora_rank,
-            rope_dim=cfg.qk_rope_head_dim, element_bytes=torch.empty((), dtype=DTYPES[self.dtype]).element_size(),
-        )
+            max_query_len=self.new_tokens)
+        model = strategy.ModelFacts(cfg.num_heads // self.tp, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                    torch.empty((), dtype=DTYPES[self.dtype]).element_size())
+        return strategy.decide(self.config(), self.lowering(), batch, model)
 
     def pass_config(self) -> PassConfig:
         return PassConfig(dcp_size=self.dcp_size, dcp_rank=0, interleave=self.interleave,
                           dcp_group_name=FAKE_DCP_GROUP if self.dcp_size > 1 else None,
                           debug_checks=self.debug_checks, attention_strategy=self.strategy_decision().strategy,
-                          kernels=self.kernels, page_size=self.page)
+                          page_size=self.page)
+
+    def passes(self) -> list:
+        """The pass pipeline of this workload's back end."""
+        return default_passes(self.lowering().passes())
 
     def describe(self) -> str:
         cfg = self.model_config()

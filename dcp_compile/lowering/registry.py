@@ -1,56 +1,64 @@
-"""Kernel selection: the `dcp_triton::` ops, one per lowerable `dcp::` op, same schema, whose
-implementation is the Triton launcher of the same semantics. The lower_kernels pass swaps graph
-targets to them, so the chosen kernel is visible in graph dumps.
-
-Triton is imported only when a lowered op first runs.
-"""
+"""The kernel back ends, by name: the four built in (torch, triton, flashinfer, npu) and any a
+user registers, and what kernels='auto' resolves to for a KV pool."""
 
 from __future__ import annotations
 
-import torch
+import logging
 
-NAMESPACE = "dcp_triton"
-# dcp:: op name -> launcher name in dcp_compile.lowering.triton
-LAUNCHERS = {
-    "sharded_kv_write": "kv_write",
-    "local_metadata": "local_metadata",
-    "mla_partial_attention": "partial_attention",
-    "pack_partials": "pack_partials",
-    "merge_partials": "merge_partials",
-    "window_attention": "window_attention",
-}
-_library: torch.library.Library | None = None
+from dcp_compile.lowering.base import Lowering
+
+log = logging.getLogger("dcp_compile")
+AUTO = "auto"
+_LOWERINGS: dict[str, Lowering] = {}
 
 
-def _launcher(name: str):
-    from dcp_compile.lowering import triton as triton_kernels
-
-    if not triton_kernels.available():
-        raise RuntimeError("the Triton kernels were selected but triton is not installed (pip install triton)")
-    return getattr(triton_kernels, LAUNCHERS[name])
-
-
-def _define(library: torch.library.Library, name: str) -> None:
-    schema = str(getattr(torch.ops.dcp, name).default._schema)
-    library.define(schema[schema.index("(") :].join([name, ""]))
-
-    def kernel(*args):
-        return _launcher(name)(*args)
-
-    def fake(*args):
-        # Under a fake mode the dcp:: op dispatches to its own fake implementation.
-        return getattr(torch.ops.dcp, name).default(*args)
-
-    for device in ("CUDA", "CPU"):
-        library.impl(name, kernel, device)
-    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=library)
+def register(lowering: Lowering) -> Lowering:
+    """Make `lowering` available as apply(..., kernels=lowering.name)."""
+    if not isinstance(lowering, Lowering) or not lowering.name or lowering.name == AUTO:
+        raise ValueError(f"a lowering is a dcp_compile.lowering.base.Lowering with a name other than 'auto', got {lowering!r}")
+    if lowering.name in _LOWERINGS and type(_LOWERINGS[lowering.name]) is not type(lowering):
+        raise ValueError(f"a different lowering is registered as {lowering.name!r} already")
+    _LOWERINGS[lowering.name] = lowering
+    return lowering
 
 
-def triton_op(name: str) -> torch._ops.OpOverload:
-    """The dcp_triton:: overload that lowers dcp::`name`."""
-    global _library
-    if _library is None:
-        _library = torch.library.Library(NAMESPACE, "DEF")
-        for op_name in LAUNCHERS:
-            _define(_library, op_name)
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
+def names() -> tuple[str, ...]:
+    """'auto' and every registered back end."""
+    return (AUTO, *_LOWERINGS)
+
+
+def get(name: str) -> Lowering:
+    if name not in _LOWERINGS:
+        raise ValueError(f"kernels must be one of {list(names())}, got {name!r}")
+    return _LOWERINGS[name]
+
+
+def resolve(kernels: str, pool, config) -> Lowering:
+    """The back end `kernels` names, or for 'auto' the one for the pool's device: npu on an NPU;
+    on CUDA flashinfer where it serves the GPU, the pool and the config (else triton, logged
+    once with the reason); the torch reference elsewhere."""
+    if kernels != AUTO:
+        return get(kernels)
+    device = pool.device.type
+    if device == "npu":
+        return get("npu")
+    if device == "cuda":
+        reason = get("flashinfer").unsupported_reason(pool, config)
+        if reason is None:
+            return get("flashinfer")
+        log.info("kernels='auto': the Triton attention kernel, not FlashInfer: %s", reason)
+        return get("triton")
+    return get("torch")
+
+
+def _register_builtins() -> None:
+    from dcp_compile.lowering.flashinfer.lowering import FlashInferLowering
+    from dcp_compile.lowering.npu.lowering import NPULowering
+    from dcp_compile.lowering.torch.lowering import TorchLowering
+    from dcp_compile.lowering.triton.lowering import TritonLowering
+
+    for lowering in (TorchLowering(), TritonLowering(), FlashInferLowering(), NPULowering()):
+        register(lowering)
+
+
+_register_builtins()

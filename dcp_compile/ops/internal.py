@@ -179,6 +179,11 @@ def _(req_to_token, seq_lens, q_seq_ids, q_positions, out_loc=None):
     return q_positions.new_empty(q_positions.shape)
 
 
+WINDOW_QUERIES = 16
+"""Most query tokens per row that window attention completes (its `window`): the verify drafts
+and short extend chunks the paged lowerings serve, and FIA's MLA limit (docs/ascend.md §4.3)."""
+
+
 @custom_op("dcp::window_attention", mutates_args=())
 def window_attention(
     out_prefix: torch.Tensor,
@@ -241,3 +246,8 @@ def check_host_metadata(
 def _(block_table, req_to_token, seq_lens, q_seq_ids, q_positions, dcp_rank, dcp_size, interleave, block_size,
       host_local_lens, host_prefix_lens, host_cumulative_query_lens):
     return block_table.new_empty(block_table.shape)
+
+
+# A debug check: its copy may go unused (a lowering that reads no block table on the device),
+# and the check must still run.
+torch.fx.node.has_side_effect(torch.ops.dcp.check_host_metadata.default)

@@ -9,7 +9,8 @@ import torch.fx as fx
 
 @dataclass(frozen=True)
 class PassConfig:
-    """What passes may know: the DCP layout of this rank, never the model."""
+    """What passes may know: the DCP layout of this rank, never the model nor the kernels (a
+    back end contributes its own lowering passes)."""
 
     dcp_size: int = 1
     dcp_rank: int = 0
@@ -19,10 +20,6 @@ class PassConfig:
     attention_strategy: str = "gather-q"
     """How attention reaches the sharded KV: 'gather-q' (Q all-gather, partial attention, LSE
     merge) or 'gather-kv' (all-gather this batch's KV rows, attend with local heads)."""
-    kernels: str = "auto"
-    """'torch' reference kernels, 'triton' kernels, 'flashinfer' (FlashInfer's MLA kernel for
-    attention over the pool, triton for the rest on CUDA), 'npu' (Ascend FIA and
-    npu_attention_update), or 'auto' (triton where the KV cache is on CUDA)."""
     page_size: int = 1
     """Locations per logical KV page (the pool's); paged kernels (FIA, FlashInfer) read local blocks of it."""
 

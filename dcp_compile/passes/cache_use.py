@@ -15,8 +15,9 @@ import torch.fx as fx
 
 from dcp_compile.passes import sites
 from dcp_compile.passes.graph_utils import op_name
+from dcp_compile.ops import targets
 
-CANONICAL = (sites.KV_WRITE, sites.ATTENTION)
+CANONICAL = (targets.KV_WRITE, targets.ATTENTION)
 
 
 class CacheMisuseError(RuntimeError):
@@ -52,7 +53,7 @@ def check_cache_use(graph: fx.Graph, example_inputs, caches: list[torch.Tensor])
                     "contract), since DCP shards it by tokens"
                 )
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in CANONICAL and node.args[0 if node.target is sites.KV_WRITE else 2] not in pool_nodes:
+        if node.op == "call_function" and node.target in CANONICAL and node.args[0 if node.target is targets.KV_WRITE else 2] not in pool_nodes:
             raise CacheMisuseError(
                 f"{op_name(node)} at {source_line(node)} is given a cache that is not one of the KV pool's current "
                 "buffers (a tensor kept from before apply() resharded the pool?): read it with self.kv_pool.cache(i) "

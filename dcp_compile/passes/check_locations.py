@@ -16,6 +16,7 @@ import torch.fx as fx
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import call, fake_value
+from dcp_compile.ops import targets
 
 
 class CheckLocations(GraphPass):
@@ -28,11 +29,11 @@ class CheckLocations(GraphPass):
         writes = sites.find_kv_writes(gm.graph) + sites.find_kv_writes(gm.graph, sharded=True)
         rewritten = 0
         for site in writes:
-            if isinstance(site.loc, fx.Node) and site.loc.target is sites.CHECK_LOCATIONS:
+            if isinstance(site.loc, fx.Node) and site.loc.target is targets.CHECK_LOCATIONS:
                 continue
             rows = fake_value(site.cache).shape[0]
             with gm.graph.inserting_before(site.node):
-                checked = call(gm.graph, sites.CHECK_LOCATIONS, site.loc, rows, config.dcp_size, config.interleave)
+                checked = call(gm.graph, targets.CHECK_LOCATIONS, site.loc, rows, config.dcp_size, config.interleave)
             site.node.replace_input_with(site.loc, checked)
             rewritten += 1
         return rewritten

@@ -19,6 +19,7 @@ import torch.fx as fx
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import call, fake_value, maybe_same_shape
+from dcp_compile.ops import targets
 
 
 class CheckMetadata(GraphPass):
@@ -32,14 +33,14 @@ class CheckMetadata(GraphPass):
         rewritten = 0
         writes = sites.find_kv_writes(gm.graph) + sites.find_kv_writes(gm.graph, sharded=True)
         for site in sites.find_attention_sites(gm.graph):
-            if isinstance(site.q_positions, fx.Node) and site.q_positions.target is sites.CHECK_METADATA:
+            if isinstance(site.q_positions, fx.Node) and site.q_positions.target is targets.CHECK_METADATA:
                 continue
             key = (site.req_to_token, site.seq_lens, site.q_seq_ids, site.q_positions)
             if key not in checked:
                 tokens = fake_value(site.q_positions).shape
                 out_loc = next((w.loc for w in writes if maybe_same_shape(fake_value(w.loc).shape, tokens)), None)
                 with gm.graph.inserting_before(site.node):
-                    checked[key] = call(gm.graph, sites.CHECK_METADATA, *key, out_loc)
+                    checked[key] = call(gm.graph, targets.CHECK_METADATA, *key, out_loc)
                 rewritten += 1
             site.node.replace_input_with(site.q_positions, checked[key])
         return rewritten

@@ -24,7 +24,8 @@ import torch.fx as fx
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import call, check_replacement, fake_value
-from dcp_compile.passes.rewrite_attention import group_name
+from dcp_compile.passes.gather_q_attention import group_name
+from dcp_compile.ops import targets
 
 c10d = torch.ops._c10d_functional
 
@@ -48,13 +49,13 @@ class GatherKVAttention(GraphPass):
             row_dim = fake_value(site.cache).shape[-1]
             with graph.inserting_before(site.node):
                 if key not in gathered:
-                    meta = call(graph, sites.GATHERED_KV_METADATA, *key, n, config.interleave)
+                    meta = call(graph, targets.GATHERED_KV_METADATA, *key, n, config.interleave)
                     gathered[key] = [call(graph, operator.getitem, meta, i) for i in range(3)]
                 local_page, local_lens = (call(graph, operator.getitem, local[key], i) for i in range(2))
-                rows = call(graph, sites.GATHER_LOCAL_ROWS, site.cache, local_page, local_lens)
+                rows = call(graph, targets.GATHER_LOCAL_ROWS, site.cache, local_page, local_lens)
                 rows = call(graph, c10d.wait_tensor.default, call(graph, c10d.all_gather_into_tensor.default, rows, n, group))
                 rows = call(graph, torch.ops.aten.view.default, rows, [-1, row_dim])  # N*B*L rows; B may be symbolic
-                partial = call(graph, sites.PARTIAL_ATTENTION, site.q_latent, site.q_rope, rows, *gathered[key],
+                partial = call(graph, targets.PARTIAL_ATTENTION, site.q_latent, site.q_rope, rows, *gathered[key],
                                site.q_seq_ids, site.q_positions, site.sm_scale)
                 out = call(graph, operator.getitem, partial, 0)
             check_replacement(site.node, out, self.name)

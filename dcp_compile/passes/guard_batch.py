@@ -30,13 +30,13 @@ from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import call, fake_value, maybe_same_shape
 from dcp_compile.runtime import layout
+from dcp_compile.ops import targets
 
-GUARD_BATCH = torch.ops.dcp.guard_batch.default
 
 
 def _guarded(node) -> bool:
     return (isinstance(node, fx.Node) and node.target is operator.getitem and isinstance(node.args[0], fx.Node)
-            and node.args[0].target is GUARD_BATCH)
+            and node.args[0].target is targets.GUARD_BATCH)
 
 
 class GuardBatch(GraphPass):
@@ -56,7 +56,7 @@ class GuardBatch(GraphPass):
                 rows = fake_value(site.cache).shape[0]
                 capacity = layout.logical_capacity(rows, config.dcp_size, config.interleave)
                 with graph.inserting_before(site.node):
-                    guard = call(graph, GUARD_BATCH, *key, out_loc, capacity)
+                    guard = call(graph, targets.GUARD_BATCH, *key, out_loc, capacity)
                     guarded[key] = tuple(call(graph, operator.getitem, guard, i) for i in range(3))
             table, lens, ids = guarded[key]
             site.node.replace_input_with(site.req_to_token, table)

@@ -2,7 +2,7 @@
 
     before: a1 = mla_attention(..., req_to_token, seq_lens, ...); a2 = mla_attention(...same...)
     after:  meta = dcp.local_metadata(req_to_token, seq_lens, r, N, I)   # before a1, once
-            a1, a2 unchanged (rewrite_attention consumes `meta`)
+            a1, a2 unchanged (gather_q_attention consumes `meta`)
 
 Assumes: every attention over the same (req_to_token, seq_lens) inputs sees the same layout.
 Guarantees: one local_metadata node per distinct metadata input pair, placed before its first
@@ -17,6 +17,7 @@ import torch.fx as fx
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import call
+from dcp_compile.ops import targets
 
 
 class LocalMetadata(GraphPass):
@@ -33,7 +34,7 @@ class LocalMetadata(GraphPass):
             if key in existing:
                 continue
             with gm.graph.inserting_before(site.node):
-                existing[key] = call(gm.graph, sites.LOCAL_METADATA, site.req_to_token, site.seq_lens,
+                existing[key] = call(gm.graph, targets.LOCAL_METADATA, site.req_to_token, site.seq_lens,
                                      config.dcp_rank, config.dcp_size, config.interleave)
             added += 1
         return added

@@ -1,8 +1,9 @@
 """The pass manager: the only place that knows the order of passes.
 
-Runs each pass under timing and logging, records sites rewritten and node counts, can dump the
-graph before and after each pass (numbered), can skip passes by name, and always ends with
-cleanup and the verifier.
+Runs each pass under timing and logging, records sites rewritten and node counts, shows observers
+the graph before and after each pass (numbered: a dump writer is one), can skip passes by name,
+and always ends with cleanup and the verifier. The DCP passes come first; a kernel back end's
+lowering passes (lowering.base.Lowering.passes) run after them, before cleanup.
 """
 
 from __future__ import annotations
@@ -10,11 +11,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch.fx as fx
 
-from dcp_compile.debug.dump import TextDump
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.check_locations import CheckLocations
 from dcp_compile.passes.check_metadata import CheckMetadata
@@ -23,23 +22,20 @@ from dcp_compile.passes.guard_batch import GuardBatch
 from dcp_compile.passes.cleanup import Cleanup
 from dcp_compile.passes.graph_utils import mutated_inputs, normalize_meta, op_counts
 from dcp_compile.passes.local_metadata import LocalMetadata
-from dcp_compile.passes.lower_flashinfer_attention import LowerFlashInferAttention
-from dcp_compile.passes.lower_kernels import LowerKernels
-from dcp_compile.passes.lower_npu_attention import LowerNPUAttention
-from dcp_compile.passes.rewrite_attention import RewriteAttention
+from dcp_compile.passes.gather_q_attention import GatherQAttention
 from dcp_compile.passes.shard_kv_write import ShardKVWrite
 from dcp_compile.passes.verify import CAPTURED_MUTATIONS, Verify
 
 log = logging.getLogger("dcp_compile.passes")
 
 
-def default_passes() -> list[GraphPass]:
-    return [CheckLocations(), CheckMetadata(), GuardBatch(), ShardKVWrite(), LocalMetadata(), RewriteAttention(),
-            GatherKVAttention(), LowerNPUAttention(), LowerFlashInferAttention(),
-            LowerKernels(), Cleanup(), Verify()]
+def default_passes(lowering_passes=()) -> list[GraphPass]:
+    return [CheckLocations(), CheckMetadata(), GuardBatch(), ShardKVWrite(), LocalMetadata(), GatherQAttention(),
+            GatherKVAttention(), *lowering_passes, Cleanup(), Verify()]
 
 
 PASS_NAMES = tuple(p.name for p in default_passes())
+"""The DCP passes, cleanup and the verifier; each back end adds its lowering passes' names."""
 ALWAYS_ON = ("guard_batch", "verify")
 
 
@@ -69,27 +65,33 @@ class PassReport:
         return {"passes": [asdict(r) for r in self.records]}
 
 
+def all_pass_names() -> tuple[str, ...]:
+    """The DCP passes and every registered back end's lowering passes."""
+    from dcp_compile.lowering import registry
+
+    lowering = [p.name for name in registry.names()[1:] for p in registry.get(name).passes()]
+    return PASS_NAMES[:-2] + tuple(dict.fromkeys(lowering)) + PASS_NAMES[-2:]
+
+
 def check_pass_names(names) -> None:
-    unknown = [n for n in names if n not in PASS_NAMES]
+    known = all_pass_names()
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown pass name(s) {unknown}; passes are {list(PASS_NAMES)}")
+        raise ValueError(f"unknown pass name(s) {unknown}; passes are {list(known)}")
     if any(n in ALWAYS_ON for n in names):
         raise ValueError(f"pass(es) {list(ALWAYS_ON)} cannot be disabled")
 
 
 class PassManager:
-    def __init__(self, config: PassConfig, disabled=(), dump_dir: str | Path | None = None,
-                 passes: list[GraphPass] | None = None, observers=()):
-        """observers: callables observer(graph_index, order, pass_name, when, gm), called with
-        when = 'before' and 'after' around every pass (dumps and test harnesses use them); an
-        observer with a `pipeline_done(graph_index, report)` method also gets the PassReport.
-        dump_dir adds a dcp_compile.debug.dump.TextDump writing there."""
+    def __init__(self, config: PassConfig, disabled=(), passes: list[GraphPass] | None = None, observers=()):
+        """passes: the pipeline, default_passes() (no lowering) by default. observers: callables
+        observer(graph_index, order, pass_name, when, gm), called with when = 'before' and
+        'after' around every pass (dumps and test harnesses use them); an observer with a
+        `pipeline_done(graph_index, report)` method also gets the PassReport."""
         check_pass_names(disabled)
         self.config, self.disabled = config, tuple(disabled)
         self.passes = passes if passes is not None else default_passes()
         self.observers = list(observers)
-        if dump_dir:
-            self.observers.append(TextDump(Path(dump_dir)))
         self.graphs_run = 0
 
     def run(self, gm: fx.GraphModule) -> PassReport:

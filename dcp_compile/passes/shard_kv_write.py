@@ -16,6 +16,7 @@ import torch.fx as fx
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import call
+from dcp_compile.ops import targets
 
 
 class ShardKVWrite(GraphPass):
@@ -28,7 +29,7 @@ class ShardKVWrite(GraphPass):
         writes = sites.find_kv_writes(gm.graph)
         for site in writes:
             with gm.graph.inserting_before(site.node):
-                call(gm.graph, sites.SHARDED_KV_WRITE, site.cache, site.latent, site.rope, site.loc,
+                call(gm.graph, targets.SHARDED_KV_WRITE, site.cache, site.latent, site.rope, site.loc,
                      config.dcp_rank, config.dcp_size, config.interleave)
         for site in writes:
             gm.graph.erase_node(site.node)

@@ -7,18 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
-KV_WRITE = torch.ops.dcp.mla_kv_write.default
-ATTENTION = torch.ops.dcp.mla_attention.default
-SHARDED_KV_WRITE = torch.ops.dcp.sharded_kv_write.default
-LOCAL_METADATA = torch.ops.dcp.local_metadata.default
-PARTIAL_ATTENTION = torch.ops.dcp.mla_partial_attention.default
-CHECK_LOCATIONS = torch.ops.dcp.check_locations.default
-CHECK_METADATA = torch.ops.dcp.check_metadata.default
-GATHER_LOCAL_ROWS = torch.ops.dcp.gather_local_rows.default
-GATHERED_KV_METADATA = torch.ops.dcp.gathered_kv_metadata.default
+from dcp_compile.ops.targets import ATTENTION, KV_WRITE, LOCAL_METADATA, PARTIAL_ATTENTION, SHARDED_KV_WRITE
 
 
 @dataclass

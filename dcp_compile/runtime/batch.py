@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from dcp_compile.ops.internal import WINDOW_QUERIES
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.host_metadata import HostMetadata, block_table_width
 
@@ -85,7 +86,6 @@ class ForwardBatch:
         )
 
 
-MAX_DRAFT_LEN = 16
 
 
 def _next_power_of_two(n: int) -> int:
@@ -97,7 +97,7 @@ def padded_row_tokens(rows: int, counts: list[int], pad_rows: int, bucket: bool)
     the bucket shape (see RequestTable.extend_batch)."""
     if not bucket:
         return [1] * pad_rows
-    if counts and len(set(counts)) == 1 and counts[0] <= MAX_DRAFT_LEN:
+    if counts and len(set(counts)) == 1 and counts[0] <= WINDOW_QUERIES:
         return [counts[0]] * (_next_power_of_two(rows + pad_rows) - rows)
     padded_rows = _next_power_of_two(rows + max(pad_rows, 1)) - rows
     tokens = sum(counts) + padded_rows
@@ -110,8 +110,8 @@ def _check_size(name: str, value, minimum: int, why: str = "") -> None:
 
 
 def check_draft_len(k: int) -> None:
-    if not 1 <= k <= MAX_DRAFT_LEN:
-        raise ValueError(f"verify length k must be in [1, {MAX_DRAFT_LEN}], got {k}")
+    if not 1 <= k <= WINDOW_QUERIES:
+        raise ValueError(f"verify length k must be in [1, {WINDOW_QUERIES}], got {k}")
 
 
 class RequestTable:

@@ -7,13 +7,11 @@ never reallocated. Batches are padded to the bucket with rows that write to loca
 no key. Graphs are captured on a fully padded batch, so capture itself writes no KV and touches
 no request state. A batch larger than the largest bucket runs eagerly, with one warning.
 
-What differs per device lives in a back end: how to capture and replay, and, for NPU graphs,
-the host values FIA bakes into its captured tiling (its kv lengths, ASCEND.md §3.2), which must
-be refreshed before every replay. The runner hands each replay the current step's values; in
-debug mode it checks that the back end holds them (a skipped update would replay another step's
-lengths) and that no captured address moved. Graphs that run FlashInfer are planned from the
-step's host metadata before every replay (plan() writes the buffers the captured kernels read);
-debug mode checks every plan was made for this step's lengths.
+Graphs whose kernels read host-fed inputs (runtime/host_inputs.py) keep their feeds: before
+every replay the runner feeds each from the step's host metadata (host work such as plans, and
+tensors copied into the buffers the captured graph reads), and hands a back end what it must be
+told (an NPU graph's host lengths, for `NPUGraph.update`). In debug mode it checks that every
+feed was fed for this step and that no captured address moved.
 """
 
 from __future__ import annotations
@@ -25,7 +23,8 @@ import warnings
 import torch
 
 from dcp_compile.runtime.batch import ForwardBatch
-from dcp_compile.runtime.host_metadata import HostMetadata, HostSlot, fia_update_inputs
+from dcp_compile.runtime.host_inputs import HostFeed, HostSlot
+from dcp_compile.runtime.host_metadata import HostMetadata
 
 log = logging.getLogger("dcp_compile.runtime")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -82,15 +81,15 @@ class CudaGraphs(_DeviceGraphs):
 
 
 class NPUGraphs(_DeviceGraphs):
-    """Ascend NPU graphs (torch.npu.NPUGraph). Capture records FIA calls with
-    `auto_dispatch_capture`; each replay first pushes the step's FIA lengths with
-    `NPUGraph.update(cpu_update_input=...)`, one dict per recorded FIA call (ASCEND.md §3.2)."""
+    """Ascend NPU graphs (torch.npu.NPUGraph). Capture records ops whose host inputs it bakes in
+    with `auto_dispatch_capture`; each replay first pushes the step's values of those with
+    `NPUGraph.update(cpu_update_input=...)`, one dict per recorded call (docs/ascend.md §9.3)."""
 
     backend_name, graph_class = "npu", "NPUGraph"
     capture_options = {"auto_dispatch_capture": True}
 
     def __init__(self):
-        from dcp_compile.lowering.npu import require_torch_npu
+        from dcp_compile.runtime.devices import require_torch_npu
 
         require_torch_npu("NPU graphs")
         super().__init__()
@@ -107,13 +106,10 @@ class NPUGraphs(_DeviceGraphs):
 
 
 class _Captured:
-    def __init__(self, graph, inputs: ForwardBatch, output: torch.Tensor, addresses: list[int], fia_args: list,
-                 plans: list):
+    def __init__(self, graph, inputs: ForwardBatch, output: torch.Tensor, addresses: list[int], feeds: list[HostFeed]):
         self.graph, self.inputs, self.output, self.addresses = graph, inputs, output, addresses
-        self.fia_args = fia_args
-        """Per FIA call of the graph, in order: {FIA argument: host input kind} to refresh."""
-        self.plans = plans
-        """The graph's FlashInfer plans, made anew from each step's host metadata before replay."""
+        self.feeds = feeds
+        """The host feeds of the graphs the captured step ran, fed anew before every replay."""
 
 
 class GraphRunner:
@@ -121,9 +117,9 @@ class GraphRunner:
 
     step: usually `dcp_model.compiled("gather-q")`, one fixed strategy per graph.
     graphs: the back end, CudaGraphs() by default, or NPUGraphs().
-    host_slot: `dcp_compile.state(model).host_slot`, for steps whose graphs read host-side
-    metadata (kernels='npu' or 'flashinfer'): the runner sets the step's metadata there, and
-    refreshes the captured FIA lengths (or FlashInfer plans) from it before every replay.
+    host_slot: `dcp_compile.state(model).host_slot`, for steps whose graphs read host-fed inputs
+    (a paged kernel back end): the runner sets the step's metadata there, and feeds the captured
+    graphs' inputs from it before every replay.
     watched: tensors the graphs read that the runner does not own (the KV caches); in debug mode
     their addresses, and the runner's own buffers', are checked before every replay.
     """
@@ -149,19 +145,23 @@ class GraphRunner:
     def _run(self, batch: ForwardBatch):
         if self.host_slot is None:
             return self.step(*batch.args())
-        self.host_slot.current = batch.host
+        self.host_slot.begin(batch.host)
         try:
             return self.step(*batch.args())
         finally:
-            self.host_slot.current = None
+            self.host_slot.end()
 
-    def _plan(self, plans: list, host: HostMetadata | None) -> None:
-        from dcp_compile.lowering.flashinfer.plans import plan_step
-
-        plan_step(plans, host, self.host_slot.dcp_rank)
-        if self.debug:  # a plan that did not happen would replay another step's lengths
-            for plan in plans:
-                plan.check_planned(host.for_rank(self.host_slot.dcp_rank))
+    def _feed(self, feeds: list[HostFeed], host: HostMetadata | None) -> list[dict] | None:
+        """Feed every captured graph for this step; returns what the back end must push."""
+        updates = []
+        for feed in feeds:
+            rank = feed.rank_view(host)
+            feed.prepare(rank)
+            feed.values(rank)
+            if self.debug:  # a feed that did not happen would replay another step's inputs
+                feed.check_fed(rank)
+            updates.extend(feed.graph_updates(rank) or [])
+        return updates or None
 
     def capture(self, template: ForwardBatch, tokens_per_row: int) -> _Captured:
         """Capture the graph for template's bucket and page-table width. Verify graphs (more than
@@ -171,12 +171,9 @@ class GraphRunner:
         inputs = ForwardBatch.empty(width).padded(bucket, tokens_per_row).to(self.graphs.device)
         if template.host is not None:
             inputs.host = HostMetadata.empty_like(template.host, width).padded(bucket, tokens_per_row).bind(*inputs.args())
-        if self.host_slot is not None:
-            self.host_slot.fia_args = self.host_slot.plans = None
         graph, output = self.graphs.capture(lambda: self._run(inputs))
-        fia_args = self.host_slot.fia_args if self.host_slot is not None else None
-        plans = self.host_slot.plans if self.host_slot is not None else None
-        captured = _Captured(graph, inputs, output, self._addresses(inputs), fia_args or [], plans or [])
+        feeds = list(self.host_slot.fed) if self.host_slot is not None else []
+        captured = _Captured(graph, inputs, output, self._addresses(inputs), feeds)
         self.captured[(bucket, tokens_per_row, width)] = captured
         log.info("captured a graph for bucket %d x %d tokens", bucket, tokens_per_row)
         return captured
@@ -198,15 +195,11 @@ class GraphRunner:
         padded = batch.padded(bucket, tokens_per_row)
         for static, fresh in zip(captured.inputs.args(), padded.args()):
             static.copy_(fresh, non_blocking=True)
-        updates = None
-        if captured.fia_args:
-            updates = fia_update_inputs(captured.fia_args, padded.host.for_rank(self.host_slot.dcp_rank))
-        if captured.plans:
-            self._plan(captured.plans, padded.host)
+        updates = self._feed(captured.feeds, padded.host)
         self.graphs.replay(captured.graph, updates)
         if self.debug and updates is not None and self.graphs.applied(captured.graph) != updates:
             raise StaleHostLengthsError(
-                "the captured graph's FIA lengths were not refreshed for this step: it would replay another step's lengths"
+                "the captured graph's host lengths were not refreshed for this step: it would replay another step's lengths"
             )
         real = batch.logits_index.shape[0]
         return captured.output[:real].clone()

@@ -46,3 +46,44 @@ def raise_for(values) -> None:
         kind = IndexError if any(k is IndexError for k, _ in found) else ValueError
         raise kind("bad batch input in this or the previous step: " + "; ".join(m for _, m in found)
                    + ". Run with debug_checks=True to see where")
+
+
+class ErrorWatcher:
+    """Reads a device's error flags back after each step without stalling it, and raises for a
+    set flag at the next step (at once on the CPU, where reading costs nothing)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._pending = None
+        self._host: torch.Tensor | None = None
+
+    def watch(self) -> None:
+        """Start reading the flags this step may have set."""
+        flags = allocated_flags(self.device)
+        if flags is None:
+            return
+        if flags.device.type == "cpu":
+            self._pending = (flags, None)
+            self.raise_if_set(wait=True)
+            return
+        if self._host is None:  # pinned once: no host allocation per step
+            self._host = torch.zeros(flags.shape, dtype=flags.dtype, pin_memory=True)
+        self._host.copy_(flags, non_blocking=True)  # the flags are sticky: a newer copy covers older steps
+        event = getattr(torch, flags.device.type).Event()
+        event.record()
+        self._pending = (self._host, event)
+
+    def raise_if_set(self, wait: bool) -> None:
+        """Raise for the flags read back (waiting for them if `wait`), and clear them."""
+        if self._pending is None:
+            return
+        host, event = self._pending
+        if event is not None and not wait and not event.query():
+            return  # not read back yet: checked at a later step
+        if event is not None:
+            event.synchronize()
+        self._pending = None
+        values = host.tolist()
+        if any(values):
+            allocated_flags(self.device).zero_()
+            raise_for(values)

@@ -20,10 +20,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_compile.runtime import layout
 
-MAX_FIA_QUERY_TOKENS = 16
-"""FIA's MLA path (D = 512) serves at most 16 query tokens per request (ASCEND.md §1.4)."""
-
-
 def block_table_width(max_context: int, page_size: int) -> int:
     """Local blocks a request can hold on one rank: at most one per logical page."""
     return -(-max_context // page_size)
@@ -167,8 +163,6 @@ class HostMetadata:
                      dcp_size: int, interleave: int, page_size: int) -> "HostMetadata":
         """From CPU batch tensors, in O(context). Queries of row b must be its last
         query_lens[b] positions, grouped by row in row order (as RequestTable builds them)."""
-        from dcp_compile.lowering.torch import reference
-
         for name, t in (("req_to_token", req_to_token), ("seq_lens", seq_lens), ("q_seq_ids", q_seq_ids)):
             if t.device.type != "cpu":
                 raise ValueError(
@@ -187,7 +181,7 @@ class HostMetadata:
         tables = torch.zeros(dcp_size, batch, blocks, dtype=torch.int32) if block_size else None
         local_lens, prefix_lens = [], []
         for rank in range(dcp_size):
-            rows, lens, positions = reference.local_metadata(req_to_token, seq_lens, rank, dcp_size, interleave)
+            rows, lens, positions = layout.local_view(req_to_token, seq_lens, rank, dcp_size, interleave)
             valid = torch.arange(width)[None, :] < lens[:, None]
             local_lens.append(tuple(lens.tolist()))
             prefix_lens.append(tuple((valid & (positions < first_query[:, None])).sum(dim=1).tolist()))
@@ -214,59 +208,39 @@ def _blocks_of(local_rows: torch.Tensor, local_lens: torch.Tensor, block_size: i
     return torch.where(used, table, 0).to(torch.int32)
 
 
-class HostSlot:
-    """The host metadata of the step being run, set by the compiled model (or a graph runner)
-    around each call and read by the graphs' host-input feeders (steps run one at a time per
-    model). `fia_args` is what the last graph run feeds its FIA calls (see fia_update_inputs);
-    `plans`, the FlashInfer plans it ran (lowering/flashinfer/plans.py)."""
+class HostMetadataSource:
+    """Each step's host metadata for a compiled model whose kernels read it: the metadata the
+    caller passes (checked on the host: bound to this batch, built for this layout, its block
+    ids inside the pool), or, where the caller passes none, computed from the batch's CPU
+    tensors through the model's attention_metadata()."""
 
-    def __init__(self, dcp_rank: int = 0):
-        self.dcp_rank = dcp_rank
-        self.current: HostMetadata | None = None
-        self.fia_args: list[dict[str, str]] | None = None
-        self.plans: list | None = None
+    def __init__(self, dcp_size: int, interleave: int, page_size: int, rows_per_rank: int, reader: str):
+        self.dcp_size, self.interleave, self.page_size, self.reader = dcp_size, interleave, page_size, reader
+        self.block_size = layout.local_block_size(page_size, dcp_size, interleave)
+        self.blocks = rows_per_rank // self.block_size if self.block_size else None
 
-
-def fia_update_inputs(fia_args: list[dict[str, str]], host: RankHostMetadata) -> list[dict[str, list[int]]]:
-    """The `cpu_update_input` of an NPU graph: for each FIA call, in order, its host-list
-    arguments with this step's values. fia_args maps each argument to a host input kind."""
-    lists = {"local_len": list(host.local_seq_lens), "local_prefix_len": list(host.local_prefix_lens),
-             "cumulative_query_len": host.cumulative_query_lens}
-    return [{argument: lists[kind] for argument, kind in call.items()} for call in fia_args]
-
-
-def host_input_feeder(graph, dcp_rank: int):
-    """For a graph with host-fed inputs (placeholders tagged meta['dcp_host_input'] by a lowering
-    pass), a function HostMetadata -> the values of those inputs, in placeholder order; None for
-    a graph without any."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder" and "dcp_host_input" in n.meta]
-    if not placeholders:
-        return None
-    tagged = [n.meta["dcp_host_input"] for n in placeholders]
-    # Every host-fed graph reads a block table; its rows are the batch's.
-    table = next(n.meta["val"] for n in placeholders if n.meta["dcp_host_input"][0] == "block_table")
-    rows = table.shape[0]
-
-    def feed(host: HostMetadata | None) -> list:
+    def for_step(self, model, args, kwargs, host: HostMetadata | None) -> HostMetadata:
         if host is None:
-            raise RuntimeError(
-                "this graph's attention reads host-side metadata (local lengths, block table): call the model with "
-                "host_metadata=batch.host (a ForwardBatch from RequestTable), or with the batch tensors on the CPU"
+            metadata = getattr(model, "attention_metadata", None)
+            if metadata is None:
+                raise ValueError(
+                    f"{self.reader} needs the batch's host-side metadata: pass host_metadata=batch.host (a ForwardBatch "
+                    "from RequestTable), or give the model an attention_metadata() method (README, model contract)"
+                )
+            meta = metadata(*args, **kwargs)
+            host = HostMetadata.from_tensors(meta["req_to_token"], meta["seq_lens"], meta["q_seq_ids"],
+                                             self.dcp_size, self.interleave, self.page_size)
+        else:
+            host.check_batch([a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)])
+        expected = (self.dcp_size, self.interleave, self.page_size)
+        if (host.dcp_size, host.interleave, host.page_size) != expected:
+            raise ValueError(
+                f"host metadata was built for dcp_size {host.dcp_size}, interleave {host.interleave}, page size "
+                f"{host.page_size}; this model has {expected[0]}, {expected[1]}, {expected[2]}: build the RequestTable "
+                "with the model's dcp_size, interleave and page size"
             )
-        if host.rows != rows:
-            raise ValueError(f"host metadata has {host.rows} rows, the batch has {rows}")
-        rank = host.for_rank(dcp_rank)
-        lists = {"local_len": rank.local_seq_lens, "local_prefix_len": rank.local_prefix_lens,
-                 "cumulative_query_len": rank.cumulative_query_lens}
-        values = []
-        for kind, index in tagged:
-            if kind == "block_table":
-                if rank.block_table is None or rank.block_table.shape != table.shape:
-                    raise ValueError(f"the graph reads a [{rows}, {table.shape[1]}] block table; host metadata has "
-                                     f"{None if rank.block_table is None else list(rank.block_table.shape)}")
-                values.append(rank.block_table.to(table.device, non_blocking=True))
-            else:
-                values.append(lists[kind][index])
-        return values
-
-    return feed
+        if self.blocks is not None and host.max_block >= self.blocks:
+            raise IndexError(f"the host block tables name local block {host.max_block}, but a rank's KV shard holds "
+                             f"{self.blocks} blocks of {self.block_size}: the request table hands out locations past the "
+                             "pool (build it with the pool's capacity)")
+        return host

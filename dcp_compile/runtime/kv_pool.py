@@ -59,7 +59,7 @@ class MLAKVPool(nn.Module):
         self.num_layers, self.row_dim = num_layers, kv_lora_rank + rope_dim
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
         if str(device).startswith("npu"):
-            from dcp_compile.lowering.npu import require_torch_npu
+            from dcp_compile.runtime.devices import require_torch_npu
 
             require_torch_npu("a KV pool on an NPU device")
         self.dtype, self.device = dtype, torch.device(device)
@@ -124,3 +124,15 @@ class MLAKVPool(nn.Module):
             capacity_ratio=usable / unsharded_usable,
             rows_lost=self.rows_per_rank * self.dcp_size - usable,
         )
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What a kernel back end reads of a KV pool to say whether it serves it (an MLAKVPool has
+    the same attributes): for checks before any pool exists."""
+
+    device: torch.device
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: torch.dtype
+    page_size: int

@@ -52,7 +52,7 @@ def free_port() -> int:
 def check_backend(backend: str) -> None:
     """HCCL (Ascend) needs torch_npu; say how to get it rather than fail inside the ranks."""
     if backend == "hccl":
-        from dcp_compile.lowering.npu import require_torch_npu
+        from dcp_compile.runtime.devices import require_torch_npu
 
         require_torch_npu("the HCCL backend")
 

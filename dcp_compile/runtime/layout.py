@@ -9,6 +9,8 @@ Every function works on Python ints and on integer tensors alike.
 
 from __future__ import annotations
 
+import torch
+
 PADDING_LOC = 0
 
 
@@ -83,3 +85,23 @@ def local_blocks_of_page(page: int, page_size: int, dcp_size: int, interleave: i
         f"page size {page_size} with interleave {interleave} over dcp_size {dcp_size} does not map pages "
         f"onto whole local blocks: use a page size that is a multiple of interleave x dcp_size, or interleave == page size"
     )
+
+
+def local_view(req_to_token, seq_lens, dcp_rank: int, dcp_size: int, interleave: int):
+    """A rank's local view of each request: local rows and global positions, in position order.
+
+    Returns (local_req_to_token [B, L], local_seq_lens [B], local_positions [B, L]); entries past
+    local_seq_lens[b] are 0 and never read. L stays the global width so shapes are static.
+    """
+    width = req_to_token.shape[1]
+    positions = torch.arange(width, device=req_to_token.device)
+    valid = positions[None, :] < seq_lens[:, None].to(positions.dtype)
+    owned = valid & (owner(req_to_token, dcp_size, interleave) == dcp_rank)
+    local_seq_lens = owned.sum(dim=1).to(seq_lens.dtype)
+    # A stable sort on "not owned" moves owned entries to the front and keeps their order.
+    order = torch.sort((~owned).to(torch.int8), dim=1, stable=True).indices
+    kept = torch.gather(owned, 1, order)
+    local_rows = local_row(torch.gather(req_to_token, 1, order), dcp_size, interleave)
+    local_req_to_token = torch.where(kept, local_rows, 0).to(req_to_token.dtype)
+    local_positions = torch.where(kept, order, 0).to(req_to_token.dtype)
+    return local_req_to_token, local_seq_lens, local_positions

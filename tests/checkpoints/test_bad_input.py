@@ -53,7 +53,7 @@ def _bad_json_header(data: bytes) -> bytes:
     (_bad_json_header, r"is not a safetensors file: its header is not JSON"),
 ], ids=["truncated", "garbage", "shorter-than-8-bytes", "header-not-json"])
 def test_damaged_shard_names_the_file_before_any_weight_is_read(copy_of_v3, damage, message, capsys, monkeypatch):
-    from dcp_compile import scenario
+    from dcp_compile.harness import scenario
 
     index = json.loads((copy_of_v3 / "model.safetensors.index.json").read_text())
     shard = copy_of_v3 / sorted(set(index["weight_map"].values()))[1]
@@ -169,7 +169,7 @@ def test_no_weights_and_no_config(tmp_path, copy_of_v3):
 
 @pytest.mark.parametrize("text, kind", [("[1, 2]", "a JSON array"), ('"v3"', "a JSON string"), ("null", "JSON null")])
 def test_config_that_is_not_an_object_names_the_file(copy_of_v3, text, kind, capsys, monkeypatch):
-    from dcp_compile import scenario
+    from dcp_compile.harness import scenario
 
     (copy_of_v3 / "config.json").write_text(text)
     with pytest.raises(ValueError, match=f"config.json must hold a JSON object of the model's settings, not {kind}"):
@@ -192,7 +192,7 @@ def test_config_that_is_not_an_object_names_the_file(copy_of_v3, text, kind, cap
 ])
 def test_bad_demo_input_with_a_checkpoint_is_one_line_and_exit_2_before_any_rank(
         v3, args, message, capsys, monkeypatch):
-    from dcp_compile import scenario
+    from dcp_compile.harness import scenario
 
     monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
     assert main(["demo", "--checkpoint", str(v3.folder), *args]) == 2
@@ -201,7 +201,7 @@ def test_bad_demo_input_with_a_checkpoint_is_one_line_and_exit_2_before_any_rank
 
 
 def test_demo_refuses_a_checkpoint_with_a_missing_shard_before_any_rank(copy_of_v3, capsys, monkeypatch):
-    from dcp_compile import scenario
+    from dcp_compile.harness import scenario
 
     index = json.loads((copy_of_v3 / "model.safetensors.index.json").read_text())
     shard = sorted(set(index["weight_map"].values()))[0]

@@ -9,7 +9,7 @@ import pytest
 
 from dcp_compile.cli import demo
 from dcp_compile.cli.main import main
-from dcp_compile.scenario import Scenario, request_prompts
+from dcp_compile.harness.scenario import Scenario, request_prompts
 from tests.checkpoints import oracle
 
 MOE_LAYERS = 3

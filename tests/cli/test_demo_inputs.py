@@ -17,26 +17,27 @@ import dcp_compile
 from dcp_compile.cli.main import main
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
-from dcp_compile.scenario import Driver, Scenario, compare
+from dcp_compile.harness.scenario import Driver, Scenario, compare
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--layers", "0"], "layers must be >= 1"),
-    (["--page-size", "0"], "page_size must be >= 1"),
+    (["--layers", "0"], "layers must be an int >= 1, got 0"),
+    (["--page-size", "0"], "page-size must be an int >= 1, got 0"),
     (["--interleave", "0"], "interleave must be >= 1"),
     (["--model", "nosuch"], "unknown model 'nosuch'"),
     (["--tp-size", "3"], "tp_size 3 does not split model tiny"),
-    (["--interleave", "3", "--page-size", "4"], "interleave 3 must divide the page size 4"),
+    (["--interleave", "3", "--page-size", "4"], "interleave size 3 must divide the page size 4"),
     (["--context", "5000"], "the pool holds 4095"),
     (["--page-size", "3"], "page_size (--page-size, default the interleave) 3 must divide the KV pool's 4096 rows "
                            "(kv_rows) and be a multiple of the interleave 1"),
     (["--kernels", "flashinfer", "--page-size", "2", "--dcp-size", "4", "--tp-size", "4"],
-     "--kernels flashinfer reads each rank's KV as whole local blocks: page size 2 with interleave 1 over dcp_size 4"),
+     "--page-size 2 does not suit kernels='flashinfer': the FlashInfer lowering (its CSR page list) reads each rank's "
+     "KV as whole local blocks: page size 2 with interleave 1 over dcp_size 4"),
     (["--kernels", "npu", "--block-size", "0"],
-     "block_size (--block-size) 0 is not a block size FIA takes: a multiple of 16, at most 1024"),
+     "block-size must be >= 1, got 0"),
     (["--kernels", "npu", "--block-size", "7"],
-     "block_size (--block-size) 7 is not a block size FIA takes: a multiple of 16, at most 1024"),
-    (["--kernels", "npu", "--block-size", "2048"], "block_size (--block-size) 2048 is not a block size FIA takes"),
+     "--block-size 7 does not suit kernels='npu': FIA's block_size must be a multiple of 16 and at most 1024"),
+    (["--kernels", "npu", "--block-size", "2048"], "--block-size 2048 does not suit kernels='npu': FIA's block_size must"),
     (["--kernels", "npu", "--block-size", "48"], "block_size (--block-size) 48 makes pages of 96 locations at dcp_size 2, "
                                                  "which must divide the KV pool's 4096 rows (kv_rows)"),
     (["--timeout", "0"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got 0.0"),
@@ -45,7 +46,7 @@ from dcp_compile.scenario import Driver, Scenario, compare
     (["--timeout", "1e300"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got 1e+300"),
 ])
 def test_bad_demo_input_is_one_line_and_exit_2_before_any_rank(args, message, capsys, monkeypatch):
-    from dcp_compile import scenario
+    from dcp_compile.harness import scenario
 
     monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
     assert main(["demo", *args]) == 2
@@ -54,7 +55,7 @@ def test_bad_demo_input_is_one_line_and_exit_2_before_any_rank(args, message, ca
 
 
 def _no_rank(monkeypatch):
-    from dcp_compile import scenario
+    from dcp_compile.harness import scenario
 
     monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
 
@@ -78,12 +79,12 @@ def test_triton_kernels_on_cpu_need_the_interpreter_and_triton(capsys, monkeypat
     _no_rank(monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert main(["demo", "--kernels", "triton"]) == 2
-    assert capsys.readouterr().err == ("dcp-compile demo: error: --kernels triton on the CPU runs the Triton kernels in "
+    assert capsys.readouterr().err == ("dcp-compile demo: error: --kernels triton: on the CPU the Triton kernels run in "
                                        "Triton's interpreter, which is off: set TRITON_INTERPRET=1 (no Triton driver "
                                        "runs on the CPU)\n")
     monkeypatch.setattr(triton_kernels, "available", lambda: False)
     assert main(["demo", "--kernels", "triton"]) == 2
-    assert capsys.readouterr().err == ("dcp-compile demo: error: --kernels triton needs the triton package (pip "
+    assert capsys.readouterr().err == ("dcp-compile demo: error: --kernels triton: it needs the triton package (pip "
                                        "install triton)\n")
 
 

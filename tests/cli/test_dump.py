@@ -47,7 +47,7 @@ def test_writes_graphs_before_and_after_every_pass(tiny_html):
         for when in ("before", "after"):
             text = (folder / snapshot_name(order, name, when)).read_text()
             assert text.startswith("class GraphModule")
-    after = (folder / snapshot_name(PASS_NAMES.index("rewrite_attention"), "rewrite_attention", "after")).read_text()
+    after = (folder / snapshot_name(PASS_NAMES.index("gather_q_attention"), "gather_q_attention", "after")).read_text()
     # Shapes and dtypes, the fake group names, and tuple-valued nodes annotated too.
     assert 'L_input_ids_: "i64[4]"' in after
     assert "'fake-dcp-group'" in after and "'fake-tp-group'" in after
@@ -57,7 +57,7 @@ def test_writes_graphs_before_and_after_every_pass(tiny_html):
 def test_op_count_diff(tiny_html):
     report = json.loads((tiny_html / "graph00" / REPORT_JSON).read_text())
     by_name = {p["name"]: p for p in report["passes"]}
-    rewrite = by_name["rewrite_attention"]
+    rewrite = by_name["gather_q_attention"]
     assert rewrite["ran"] and rewrite["sites"] == MLA_LAYERS
     assert rewrite["op_diff"]["dcp::mla_attention"] == {"before": MLA_LAYERS, "after": 0}
     assert rewrite["op_diff"]["dcp::mla_partial_attention"] == {"before": 0, "after": MLA_LAYERS}
@@ -79,22 +79,22 @@ def test_html_is_self_contained_and_shows_every_pass(tiny_html):
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     for name in PASS_NAMES:
         assert f"<code>{name}</code>" in page, name
-    order = PASS_NAMES.index("rewrite_attention")
+    order = PASS_NAMES.index("gather_q_attention")
     assert f'id="pass-{order:02d}-change"' in page  # its first change, linked from the page
     assert "<script" not in page and "<link" not in page and "http://" not in page and "https://" not in page
 
 
 def test_summary_table_printed(tmp_path, capsys):
-    code, out = dump(tmp_path, "--model", "tiny", "--layers", "1", "--dcp-size", "2", "--only", "rewrite_attention")
+    code, out = dump(tmp_path, "--model", "tiny", "--layers", "1", "--dcp-size", "2", "--only", "gather_q_attention")
     assert code == 0
     printed = capsys.readouterr().out
     for name in PASS_NAMES:
         assert name in printed
     assert "MLA sites rewritten: 1 of 1" in printed and "dcp::mla_attention 1 -> 0" in printed
     # --only: that pass's graphs alone, the report still covers every pass.
-    order = PASS_NAMES.index("rewrite_attention")
+    order = PASS_NAMES.index("gather_q_attention")
     assert sorted(p.name for p in (out / "graph00").glob("*.py")) == [
-        snapshot_name(order, "rewrite_attention", "after"), snapshot_name(order, "rewrite_attention", "before")]
+        snapshot_name(order, "gather_q_attention", "after"), snapshot_name(order, "gather_q_attention", "before")]
     assert len(json.loads((out / "graph00" / REPORT_JSON).read_text())["passes"]) == len(PASS_NAMES)
 
 
@@ -106,10 +106,10 @@ def test_verbose_logs_through_the_dcp_compile_loggers(tmp_path, caplog):
 
 
 def test_disable_leaves_attention_unrewritten(tmp_path, capsys):
-    code, out = dump(tmp_path, "--model", "tiny", "--layers", "1", "--disable", "rewrite_attention")
+    code, out = dump(tmp_path, "--model", "tiny", "--layers", "1", "--disable", "gather_q_attention")
     assert code == 0
     report = {p["name"]: p for p in json.loads((out / "graph00" / REPORT_JSON).read_text())["passes"]}
-    assert not report["rewrite_attention"]["ran"] and report["shard_kv_write"]["sites"] == 1
+    assert not report["gather_q_attention"]["ran"] and report["shard_kv_write"]["sites"] == 1
     assert report["verify"]["ops_after"]["dcp::mla_attention"] == 1
     assert "MLA sites rewritten: 0 of 1" in capsys.readouterr().out
 
@@ -118,14 +118,14 @@ def test_gather_kv_strategy(tmp_path):
     code, out = dump(tmp_path, "--model", "tiny", "--mode", "extend", "--chunk", "8", "--attention-strategy", "gather-kv")
     assert code == 0
     report = {p["name"]: p for p in json.loads((out / "graph00" / REPORT_JSON).read_text())["passes"]}
-    assert not report["rewrite_attention"]["ran"] and report["gather_kv_attention"]["sites"] == MLA_LAYERS
+    assert not report["gather_q_attention"]["ran"] and report["gather_kv_attention"]["sites"] == MLA_LAYERS
     assert report["gather_kv_attention"]["op_diff"]["dcp::mla_attention"] == {"before": MLA_LAYERS, "after": 0}
     assert json.loads((out / "dump.json").read_text())["mla_sites_rewritten"] == MLA_LAYERS
 
 
 @pytest.mark.parametrize("options, strategy, rewrite_pass", [
     (["--mode", "extend", "--chunk", "200", "--context", "10"], "gather-kv", "gather_kv_attention"),
-    (["--mode", "decode", "--context", "4000"], "gather-q", "rewrite_attention"),
+    (["--mode", "decode", "--context", "4000"], "gather-q", "gather_q_attention"),
 ])
 def test_auto_strategy_is_chosen_by_the_cost_model_and_explained(tmp_path, capsys, options, strategy, rewrite_pass):
     code, out = dump(tmp_path, "--model", "tiny", "--dcp-size", "2", *options)
@@ -182,7 +182,7 @@ def test_svg_without_dot_is_a_clear_error(tmp_path, capsys, monkeypatch):
     (["--model", "kimi-k2", "--dcp-size", "3", "--tp-size", "6"], "tp_size 6 does not split model kimi-k2 (64 attention heads"),
     (["--batch", "0"], "batch must be >= 1"),
     (["--interleave", "4", "--page-size", "6"], "interleave size 4 must divide the page size 6"),
-    (["--layers", "0"], "num_layers must be >= 1"),
+    (["--layers", "0"], "layers must be an int >= 1, got 0"),
     (["--draft-len", "17", "--mode", "verify"], "draft-len must be in [1, 16] (verify's k), got 17"),
     (["--draft-len", "0"], "draft-len must be in [1, 16] (verify's k), got 0"),
     (["--context", "1000000000"], "context 1000000000 exceeds the dump's limit of 1048576 tokens"),
@@ -216,9 +216,9 @@ def test_an_empty_output_folder_is_refused(tmp_path, capsys, monkeypatch):
 def test_a_long_context_dump_of_a_real_model_fits_the_limits(tmp_path):
     """Kimi-K2's 128k context at a batch of 256, with pages as engines make them."""
     code, out = dump(tmp_path, "--model", "kimi-k2", "--layers", "1", "--context", "131072", "--batch", "256",
-                     "--page-size", "64", "--only", "rewrite_attention")
+                     "--page-size", "64", "--only", "gather_q_attention")
     assert code == 0
-    before = (out / "graph00" / snapshot_name(PASS_NAMES.index("rewrite_attention"), "rewrite_attention", "before"))
+    before = (out / "graph00" / snapshot_name(PASS_NAMES.index("gather_q_attention"), "gather_q_attention", "before"))
     assert 'L_req_to_token_: "i64[256, 131073]"' in before.read_text()
 
 

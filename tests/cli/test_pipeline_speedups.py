@@ -14,6 +14,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dcp_compile.passes.graph_utils import call, fake_mode_of
 from dcp_compile.passes.verify import GraphVerificationError, Verify, _SharedFakeTensorProp
+from dcp_compile.ops import targets
 from tests.harness import fake_graph, run_passes
 
 aten = torch.ops.aten
@@ -22,7 +23,7 @@ aten = torch.ops.aten
 @pytest.fixture(scope="module")
 def rewritten():
     gm, report, _ = run_passes(fake_graph("tiny", dcp_size=2, tp_size=2), dcp_size=2)
-    assert report.sites("rewrite_attention") == 3
+    assert report.sites("gather_q_attention") == 3
     return gm
 
 
@@ -48,7 +49,7 @@ def test_shared_propagation_equals_plain_fake_tensor_prop(rewritten):
 
 def test_a_wrong_value_in_a_repeated_layer_is_still_caught(rewritten):
     gm = copy.deepcopy(rewritten)
-    merges = [n for n in gm.graph.nodes if n.target is torch.ops.dcp.merge_partials.default]
+    merges = [n for n in gm.graph.nodes if n.target is targets.MERGE_PARTIALS]
     assert len(merges) == 3
     good = merges[-1].meta["val"]
     with fake_mode_of(gm.graph):

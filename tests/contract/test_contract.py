@@ -201,7 +201,7 @@ def test_outer_torch_compile_keeps_dcp_on(dcp_two):
         status, result = rank["outer_compile"]
         assert status == "ok", result
         assert result["max_diff"] < 1e-5 and result["dcp_graphs"] == 1
-        assert result["pass_summary"]["rewrite_attention"] + result["pass_summary"]["gather_kv_attention"] == 2
+        assert result["pass_summary"]["gather_q_attention"] + result["pass_summary"]["gather_kv_attention"] == 2
 
 
 def test_fp32_rope_keeps_every_dtype_under_both_strategies(dcp_two):

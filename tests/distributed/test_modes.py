@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_compile.scenario import Scenario, compare
+from dcp_compile.harness.scenario import Scenario, compare
 
 CASES = [
     # Verify: k = 7 with scripted accept/reject (0..6 drafts accepted), then local lengths recomputed.

@@ -3,7 +3,7 @@ npu_attention_update, in bf16, against dcp_size=1 under the same lowering.
 
 Lengths mix 1, lengths below N (empty shards) and lengths crossing FIA blocks of 16; every batch
 carries a padded row (empty on every shard). The match tolerance is derived in
-dcp_compile/scenario.half_precision_tolerance; greedy tokens must agree except at near-ties
+dcp_compile/harness/scenario.half_precision_tolerance; greedy tokens must agree except at near-ties
 within that tolerance (none were flipped when this was written, see the closing figures).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_compile.scenario import Scenario, compare
+from dcp_compile.harness.scenario import Scenario, compare
 
 NPU = dict(kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16)
 CASES = [

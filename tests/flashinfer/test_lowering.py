@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dcp_compile
-from dcp_compile import api
+from dcp_compile.lowering import registry
 from dcp_compile.debug import fake_capture
 from dcp_compile.lowering import flashinfer
 from dcp_compile.lowering.flashinfer import plans as fi_plans
@@ -24,16 +24,18 @@ from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import PassManager
 from dcp_compile.passes.base import PassConfig
-from dcp_compile.passes.lower_flashinfer_attention import flashinfer_block_size
+from dcp_compile.lowering.flashinfer.lower_attention import flashinfer_block_size
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.graph_runner import GraphRunner
+from dcp_compile.runtime.host_inputs import HostSlot
 from dcp_compile.runtime.host_metadata import HostMetadata
-from dcp_compile.scenario import Scenario, compare
+from dcp_compile.harness.scenario import Scenario, compare
+from dcp_compile.ops import targets
 from tests.npu.test_graphs import FakeGraphs
 
 flashinfer.ensure_ops()
 MLA_PAGED = torch.ops.dcp_flashinfer.mla_paged_attention.default
-WINDOW = torch.ops.dcp.window_attention.default
+WINDOW = targets.WINDOW_ATTENTION
 PAGE = 4
 
 
@@ -128,7 +130,7 @@ def lowered(mode, dcp_size, **fields):
     spec = fake_capture.GraphSpec(model="tiny", kernels="flashinfer", mode=mode, dcp_size=dcp_size, page_size=PAGE * dcp_size,
                                   attention_strategy="gather-q", dtype="float32", **fields)
     captured = fake_capture.capture(spec)
-    PassManager(spec.pass_config()).run(captured.gm)
+    PassManager(spec.pass_config(), passes=spec.passes()).run(captured.gm)
     return captured.gm
 
 
@@ -143,19 +145,20 @@ def test_pass_emits_one_plan_per_graph_and_the_window_split_under_dcp(mode, dcp_
     gm = lowered(mode, dcp_size)
     attention = calls(gm, MLA_PAGED)
     assert len(attention) == 3  # the tiny preset's MLA layers
-    plan_ids = gm.meta["dcp_flashinfer_plans"]
-    assert len(plan_ids) == 1 and {n.args[3] for n in attention} == set(plan_ids)  # every layer runs one plan
-    spec = fi_plans.plan_by_id(plan_ids[0]).spec
+    specs = gm.meta[fi_plans.PLAN_SPECS]
+    plan_inputs = fi_plans.plan_placeholders(gm.graph)
+    assert len(specs) == len(plan_inputs) == 1 and {n.args[3] for n in attention} == set(plan_inputs)  # one plan
+    spec = specs[0]
     assert (spec.keys, spec.causal, spec.block_size) == (keys, causal, PAGE)
     assert len(calls(gm, WINDOW)) == windows
     assert not calls(gm, torch.ops.dcp.mla_partial_attention.default) and not calls(gm, torch.ops.dcp.mla_attention.default)
 
 
 def test_block_size_must_map_pages_onto_local_blocks():
-    assert flashinfer_block_size(PassConfig(dcp_size=2, page_size=8)) == 4
-    assert flashinfer_block_size(PassConfig(dcp_size=2, interleave=4, page_size=4)) == 4
+    assert flashinfer_block_size(8, 2, 1) == 4
+    assert flashinfer_block_size(4, 2, 4) == 4
     with pytest.raises(ValueError, match="whole local blocks|local blocks"):
-        flashinfer_block_size(PassConfig(dcp_size=2, interleave=2, page_size=6))
+        flashinfer_block_size(6, 2, 2)
 
 
 # --- Numerics at DCP 1, and planning around graph replay ----------------------------------------
@@ -177,7 +180,7 @@ def test_dcp1_prefill_decode_verify_match_the_reference_and_plan_every_step():
             outs.append(model(*batch.args(), host_metadata=batch.host))
         torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
         slot = dcp_compile.state(lowered_model).host_slot
-        plan = slot.plans[0]
+        plan = slot.fed[0].plans[0]
         # This step's plan: its lengths, with the padded row's keys at 0.
         assert plan.planned_for[1] == tuple(int(n) for n in tables[0].seq_lens[:3]) + (0,)
         assert plan.wrapper.plans[-1]["causal"] == (len(tokens[0]) > 1)
@@ -203,7 +206,7 @@ def test_runner_plans_before_every_replay_and_catches_a_skipped_plan(monkeypatch
     state = dcp_compile.state(model)
     runner = GraphRunner(model.compiled("gather-q"), buckets=(4,), graphs=FakeGraphs(), host_slot=state.host_slot, debug=True)
     runner(table.extend_batch([0, 1, 2], [[1]] * 3))
-    plan = runner.captured[(4, 1, 64)].plans[0]
+    plan = runner.captured[(4, 1, 64)].feeds[0].plans[0]
     assert plan.planned_for == ((1, 1, 1, 1), (6, 10, 3, 0))
     runner(table.extend_batch([0, 1, 2], [[1]] * 3))
     assert plan.planned_for == ((1, 1, 1, 1), (7, 11, 4, 0))  # planned again for the replay
@@ -246,12 +249,12 @@ def test_auto_falls_back_to_triton_with_one_log_line(monkeypatch, caplog):
     config = dcp_compile.DCPConfig()
     monkeypatch.setattr(flashinfer, "unsupported_reason", lambda *a: "flashinfer cannot be imported (test)")
     with caplog.at_level(logging.INFO, logger="dcp_compile"):
-        assert api._cuda_kernels(pool, config) == "triton"
+        assert registry.resolve("auto", pool, config).name == "triton"
     assert [r.message for r in caplog.records if "FlashInfer" in r.message] == [
         "kernels='auto': the Triton attention kernel, not FlashInfer: flashinfer cannot be imported (test)"]
     monkeypatch.setattr(flashinfer, "unsupported_reason", lambda *a: None)
-    assert api._cuda_kernels(pool, config) == "flashinfer"
-    assert api._cuda_kernels(pool, dataclasses.replace(config, inner_compile="inductor")) == "triton"
+    assert registry.resolve("auto", pool, config).name == "flashinfer"
+    assert registry.resolve("auto", pool, dataclasses.replace(config, inner_compile="inductor")).name == "triton"
 
 
 def test_unsupported_setups_say_why():
@@ -262,8 +265,12 @@ def test_unsupported_setups_say_why():
 
 
 def test_a_graph_run_without_host_metadata_is_a_clear_error():
+    gm = lowered("decode", 1)
+    feed = fi_plans.FlashInferFeed(gm, 0)
     with pytest.raises(RuntimeError, match="host_metadata=batch.host"):
-        fi_plans.plan_step([object()], None, 0)
+        HostSlot(0).feed(feed)
+    with pytest.raises(RuntimeError, match="ran without its plan"):
+        fi_plans.plan_of(torch.zeros(4, dtype=torch.int32))
 
 
 def test_warm_up_builds_once_per_shape():
@@ -276,5 +283,6 @@ def test_a_flashinfer_without_the_mla_wrapper_is_named(monkeypatch):
     reason = flashinfer.unsupported_reason(torch.device("cuda"))
     assert "has no flashinfer.mla.BatchMLAPagedAttentionWrapper" in reason and ">= 0.7" in reason
     with pytest.raises(RuntimeError, match="kernels='flashinfer': .*BatchMLAPagedAttentionWrapper"):
-        api._check_flashinfer_lowering(SimpleNamespace(device=torch.device("cuda"), kv_lora_rank=512, rope_dim=64,
-                                                       dtype=torch.bfloat16, page_size=16), dcp_compile.DCPConfig())
+        registry.get("flashinfer").check(None, SimpleNamespace(device=torch.device("cuda"), kv_lora_rank=512,
+                                                               rope_dim=64, dtype=torch.bfloat16, page_size=16),
+                                         dcp_compile.DCPConfig())

@@ -16,7 +16,7 @@ from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.graph_runner import GraphRunner
 from dcp_compile.runtime.host_metadata import HostMetadata
-from dcp_compile.scenario import Scenario, compare
+from dcp_compile.harness.scenario import Scenario, compare
 
 REASON = flashinfer.unsupported_reason(torch.device("cuda")) if torch.cuda.is_available() else "needs a CUDA GPU"
 served = pytest.mark.skipif(REASON is not None, reason=str(REASON))

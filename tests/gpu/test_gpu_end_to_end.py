@@ -13,7 +13,7 @@ from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.graph_runner import GraphRunner, StaleAddressError
-from dcp_compile.scenario import Scenario, compare
+from dcp_compile.harness.scenario import Scenario, compare
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import dcp_compile
-from dcp_compile import backend as dcp_backend
+from dcp_compile import api as dcp_api
 from dcp_compile.lowering import npu as npu_lowering
+from dcp_compile.lowering.npu import inner_compile
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime.batch import RequestTable
@@ -42,8 +43,8 @@ def test_torchair_is_handed_symbolic_fia_lengths(monkeypatch):
 
         return compile_graph
 
-    monkeypatch.setattr(npu_lowering, "require_torch_npu", lambda what: None)
-    monkeypatch.setattr(dcp_backend, "torchair_compiler", fake_torchair)
+    monkeypatch.setattr(dcp_api, "require_torch_npu", lambda what: None)
+    monkeypatch.setattr(inner_compile, "torchair_compiler", fake_torchair)
     model, eager = npu_model(inner_compile="torchair"), npu_model()
     tables = [RequestTable(4, 64, 2048, 16) for _ in range(2)]
     outs = []

@@ -20,10 +20,11 @@ from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import PassManager
 from dcp_compile.passes.base import PassConfig
-from dcp_compile.passes.lower_npu_attention import fia_block_size, padded_heads
+from dcp_compile.lowering.npu.feed import FIAFeed
+from dcp_compile.lowering.npu.lower_attention import fia_block_size, padded_heads
 from dcp_compile.runtime.batch import RequestTable
-from dcp_compile.runtime.host_metadata import host_input_feeder
-from dcp_compile.scenario import half_precision_tolerance
+from dcp_compile.runtime.host_inputs import HOST_INPUT, HostInput
+from dcp_compile.harness.scenario import half_precision_tolerance
 
 ensure_ops()
 FIA = torch.ops.npu.npu_fused_infer_attention_score.default
@@ -39,7 +40,7 @@ def lowered_graph(mode="decode", dcp_rank=0, **spec_fields):
                                   attention_strategy="gather-q", **spec_fields)
     captured = fake_capture.capture(spec)
     config = dataclasses.replace(spec.pass_config(), dcp_rank=dcp_rank)
-    PassManager(config).run(captured.gm)
+    PassManager(config, passes=spec.passes()).run(captured.gm)
     return captured.gm, spec
 
 
@@ -57,10 +58,10 @@ def test_fia_node_arguments(mode, layout, host_lens):
         assert kw["num_heads"] == 8  # 4 TP-local heads x dcp_size 2
         assert kw["num_key_value_heads"] == 1 and kw["sparse_mode"] == 0 and kw["softmax_lse_flag"] is True
         assert kw["input_layout"] == layout and kw["block_size"] == 16
-        assert kw["block_table"].meta["dcp_host_input"] == ("block_table", None)
-        assert [n.meta["dcp_host_input"] for n in kw["actual_seq_lengths_kv"]] == [(host_lens, b) for b in range(3)]
+        assert kw["block_table"].meta[HOST_INPUT] == HostInput("block_table")
+        assert [n.meta[HOST_INPUT] for n in kw["actual_seq_lengths_kv"]] == [HostInput(host_lens, b) for b in range(3)]
         if layout == "TND":
-            assert [n.meta["dcp_host_input"][0] for n in kw["actual_seq_lengths"]] == ["cumulative_query_len"] * 3
+            assert [n.meta[HOST_INPUT].kind for n in kw["actual_seq_lengths"]] == ["cumulative_query_len"] * 3
         assert node.args[1] is node.args[2]  # value is the latent cache itself
         key, key_rope = node.args[1].meta["val"], node.kwargs["key_rope"].meta["val"]
         assert key.shape[1:] == (16, 512) and key_rope.shape[1:] == (16, 64) and key.shape[0] == key_rope.shape[0]
@@ -75,11 +76,11 @@ def test_host_inputs_are_each_ranks_own_lengths_and_block_table():
     batch = table.extend_batch([0, 1, 2], [[1]] * 3)
     for rank in range(2):
         gm, _ = lowered_graph("decode", dcp_rank=rank, dcp_size=2, tp_size=2, batch=batch_rows, context=context)
-        fed = dict(zip([n.meta["dcp_host_input"] for n in gm.graph.nodes if "dcp_host_input" in n.meta],
-                       host_input_feeder(gm.graph, rank)(batch.host)))
+        feed = FIAFeed(gm, rank)
+        fed = dict(zip(feed.inputs, feed.values(feed.rank_view(batch.host))))
         _, lens, _ = reference.local_metadata(batch.req_to_token, batch.seq_lens, rank, 2, 1)
-        assert [fed[("local_len", b)] for b in range(batch_rows)] == lens.tolist()
-        fed_table = fed[("block_table", None)]  # moved to the graph's device: meta here
+        assert [fed[HostInput("local_len", b)] for b in range(batch_rows)] == lens.tolist()
+        fed_table = fed[HostInput("block_table")]  # the feed's buffer on the graph's device: meta here
         assert fed_table.shape == batch.host.block_tables[rank].shape and fed_table.dtype == torch.int32
         assert torch.equal(batch.host.for_rank(rank).block_table, batch.host.block_tables[rank])
     assert batch.host.local_seq_lens[0] != batch.host.local_seq_lens[1]
@@ -98,9 +99,9 @@ def test_fia_limits_are_checked_before_compiling():
     with pytest.raises(ValueError, match="at most 128 query heads"):
         padded_heads(256)
     with pytest.raises(ValueError, match="whole\\s+local blocks"):
-        fia_block_size(PassConfig(dcp_size=2, interleave=4, page_size=12))
+        fia_block_size(12, 2, 4)
     with pytest.raises(ValueError, match="multiple of 16"):
-        fia_block_size(PassConfig(dcp_size=2, interleave=1, page_size=8))
+        fia_block_size(8, 2, 1)
     cfg = preset("tiny-512")
     with pytest.raises(ValueError, match="at most 128 query heads"):
         dcp_compile.apply(MLAModel(cfg.replace(num_heads=256), 64, dtype=torch.bfloat16, page_size=16), 1, kernels="npu")

@@ -8,6 +8,7 @@ import torch
 
 from dcp_compile.passes import PassConfig, PassManager
 from dcp_compile.passes import sites
+from dcp_compile.ops import targets
 from tests.harness import capture, run_passes, tiny_graph
 
 MLA_LAYERS = 3  # the tiny preset: mla, linear, mla, mla
@@ -34,14 +35,14 @@ def test_finders_ignore_other_attention():
     assert sites.find_attention_sites(gm.graph) == []
     assert sites.find_kv_writes(gm.graph) == []
     _, report, _ = run_passes(gm, dcp_size=2)
-    assert report.sites("shard_kv_write") == 0 and report.sites("rewrite_attention") == 0
+    assert report.sites("shard_kv_write") == 0 and report.sites("gather_q_attention") == 0
 
 
 def test_op_counts_before_and_after(graph):
     _, report, rec = run_passes(graph, dcp_size=2)
     assert report.summary()["shard_kv_write"] == MLA_LAYERS
     assert report.summary()["local_metadata"] == 1
-    assert report.summary()["rewrite_attention"] == MLA_LAYERS
+    assert report.summary()["gather_q_attention"] == MLA_LAYERS
 
     before, after = rec.ops("shard_kv_write", "before"), rec.ops("shard_kv_write", "after")
     assert before["dcp::mla_kv_write"] == MLA_LAYERS and "dcp::sharded_kv_write" not in before
@@ -49,7 +50,7 @@ def test_op_counts_before_and_after(graph):
 
     assert rec.ops("local_metadata", "after")["dcp::local_metadata"] == 1  # shared by all layers
 
-    after = rec.ops("rewrite_attention", "after")
+    after = rec.ops("gather_q_attention", "after")
     assert "dcp::mla_attention" not in after
     for op in ("dcp::mla_partial_attention", "dcp::pack_partials", "dcp::merge_partials",
                "_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_to_all_single"):
@@ -60,7 +61,7 @@ def test_op_counts_before_and_after(graph):
 def test_passes_are_idempotent(graph):
     once, _, rec_once = run_passes(graph, dcp_size=4)
     _, report, rec_twice = run_passes(once, dcp_size=4)
-    assert all(report.sites(name) == 0 for name in ("shard_kv_write", "local_metadata", "rewrite_attention"))
+    assert all(report.sites(name) == 0 for name in ("shard_kv_write", "local_metadata", "gather_q_attention"))
     assert rec_twice.ops("verify", "after") == rec_once.ops("verify", "after")
 
 
@@ -75,7 +76,7 @@ def test_dcp_size_one_only_gets_the_batch_guard(graph):
 @pytest.mark.parametrize("dcp_size", [1, 2])
 def test_every_attention_reads_guarded_metadata(graph, dcp_size):
     gm, _, _ = run_passes(graph, dcp_size=dcp_size)
-    guards = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.dcp.guard_batch.default]
+    guards = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is targets.GUARD_BATCH]
     assert len(guards) == 1
     guard = guards[0]
     writes = sites.find_kv_writes(gm.graph, sharded=dcp_size > 1)
@@ -83,7 +84,7 @@ def test_every_attention_reads_guarded_metadata(graph, dcp_size):
     assert guard.args[4] == 128 * dcp_size  # the pool's logical capacity
     outputs = {user for user in guard.users}
     consumers = ([s.node for s in sites.find_attention_sites(gm.graph)] if dcp_size == 1 else
-                 [n for n in gm.graph.nodes if n.op == "call_function" and n.target is sites.LOCAL_METADATA])
+                 [n for n in gm.graph.nodes if n.op == "call_function" and n.target is targets.LOCAL_METADATA])
     assert consumers and all(set(node.args) & outputs for node in consumers)
     unguarded = {n for n in gm.graph.nodes if n.op == "placeholder" and ("req_to_token" in n.name or "seq_lens" in n.name)}
     assert all(not (set(node.args) & unguarded) for node in consumers)
@@ -97,16 +98,16 @@ def test_hybrid_linear_attention_layers_untouched():
     assert len(linear_before) == len(linear_after) == 3
     for a, b in zip(linear_before, linear_after):
         assert [str(x) for x in a.args] == [str(x) for x in b.args]
-    assert report.sites("rewrite_attention") == 1
+    assert report.sites("gather_q_attention") == 1
 
 
 def test_gathered_heads_and_exchange_shapes(graph):
     gm, _, _ = run_passes(graph, dcp_size=2)
-    partial = next(n for n in gm.graph.nodes if n.target is sites.PARTIAL_ATTENTION)
+    partial = next(n for n in gm.graph.nodes if n.target is targets.PARTIAL_ATTENTION)
     out, lse = partial.meta["val"]
     tokens = partial.args[6].meta["val"].shape[0]
     assert out.shape == (tokens, 8 * 2, 32) and lse.shape == (tokens, 16) and lse.dtype == torch.float32
-    merged = next(n for n in gm.graph.nodes if n.target is torch.ops.dcp.merge_partials.default)
+    merged = next(n for n in gm.graph.nodes if n.target is targets.MERGE_PARTIALS)
     assert merged.meta["val"].shape == (tokens, 8, 32)
 
 
@@ -146,7 +147,7 @@ def test_rewritten_graph_is_well_typed(graph):
 
 def test_gather_kv_strategy_op_counts(graph):
     gm, report, rec = run_passes(graph, dcp_size=2, attention_strategy="gather-kv")
-    assert report.sites("gather_kv_attention") == MLA_LAYERS and report.sites("rewrite_attention") == 0
+    assert report.sites("gather_kv_attention") == MLA_LAYERS and report.sites("gather_q_attention") == 0
     after = rec.ops("verify", "after")
     assert "dcp::mla_attention" not in after
     assert after["dcp::gathered_kv_metadata"] == 1  # shared by all layers

@@ -1,10 +1,10 @@
-"""FlashInfer plans: one MLA wrapper per attention kind of a captured graph, planned on the host.
+"""FlashInfer plans: one MLA wrapper per attention kind of a lowered graph, planned on the host.
 
 A `FlashInferPlan` owns a `BatchMLAPagedAttentionWrapper` in CUDA-graph mode: its metadata
 buffers (qo_indptr, kv_indptr, kv_indices, kv_len_arr) are allocated once, for the graph's rows
 and the block-table width, and `plan()` copies each step's values into them, so a captured
 `run()` reads the current step's metadata. Every layer of a graph runs the same plan: it is made
-once per step, before the graph runs (the backend) or replays (the graph runner).
+once per step, before the graph runs or replays, by the graph's `FlashInferFeed`.
 
 The CSR page list is the rank's local block table: page size = the local block size (rows one
 logical page puts on a rank, runtime/layout.local_block_size), kv_indices = each row's first
@@ -13,17 +13,22 @@ The KV lengths are the rank's local lengths ('all' keys: decode, and every graph
 or the local keys before the row's first query ('prefix' keys: verify and extend under DCP,
 whose remaining keys go through window attention). The LSE is asked in base e.
 
-`dcp_flashinfer::mla_paged_attention(q_latent, q_rope, kv_cache, plan_id)` runs a plan; the
-graph holds the plan's id, the registry below holds the plan.
+`dcp_flashinfer::mla_paged_attention(q_latent, q_rope, kv_cache, plan)` runs a plan. `plan` is a
+host-fed graph input (runtime.host_inputs): the plan's kv_indices buffer, which the kernel reads
+and which names its plan, so the plan lives exactly as long as the graph's feed holds it.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 
 from dcp_compile.lowering.flashinfer import wrapper_api
+from dcp_compile.runtime import devices
+from dcp_compile.runtime.host_inputs import HOST_INPUT, HostFeed, HostInput, host_placeholders
 from dcp_compile.runtime.host_metadata import RankHostMetadata
 
 WORKSPACE_BYTES = 128 << 20
@@ -31,8 +36,11 @@ WORKSPACE_BYTES = 128 << 20
 plans run one at a time on one stream."""
 
 KEY_KINDS = ("all", "prefix")
+PLAN_INPUT = "flashinfer_plan"
+"""The host-input kind of a plan (its index: the plan's position in the graph's specs)."""
+PLAN_SPECS = "dcp_flashinfer_plan_specs"
+"""gm.meta key: the PlanSpecs of a lowered graph, in the order of its plan inputs."""
 
-_PLANS: list["FlashInferPlan"] = []
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -72,27 +80,36 @@ def _workspace(device: torch.device) -> torch.Tensor:
     return _WORKSPACES[device]
 
 
-def plan_by_id(plan_id: int) -> "FlashInferPlan":
-    return _PLANS[plan_id]
+def kv_indices_size(spec: PlanSpec) -> int:
+    return max(spec.rows * spec.blocks_per_row, 1)
+
+
+def plan_of(kv_indices: torch.Tensor) -> "FlashInferPlan":
+    """The plan whose kv_indices buffer this is (a graph's plan input)."""
+    plan = getattr(kv_indices, "_dcp_flashinfer_plan", lambda: None)()
+    if plan is None:
+        raise RuntimeError("this graph's FlashInfer attention ran without its plan: run the model through "
+                           "dcp_compile.apply's module with the batch's host metadata")
+    return plan
 
 
 class FlashInferPlan:
     def __init__(self, spec: PlanSpec):
         self.spec = spec
-        self.id = len(_PLANS)
-        _PLANS.append(self)
+        device = spec.device
+        self.buffers = {name: torch.zeros(size, dtype=torch.int32, device=device) for name, size in (
+            ("qo_indptr", spec.rows + 1), ("kv_indptr", spec.rows + 1),
+            ("kv_indices", kv_indices_size(spec)), ("kv_len_arr", spec.rows))}
+        self.kv_indices = self.buffers["kv_indices"]
+        self.kv_indices._dcp_flashinfer_plan = weakref.ref(self)
         self.wrapper = None
         self.planned_host: RankHostMetadata | None = None
         """The host metadata of the last plan()."""
         self._staged: torch.cuda.Event | None = None
 
     def _make_wrapper(self):
-        spec, device = self.spec, self.spec.device
-        wrapper_class, _ = wrapper_api(device)
-        buffers = {name: torch.zeros(size, dtype=torch.int32, device=device) for name, size in (
-            ("qo_indptr", spec.rows + 1), ("kv_indptr", spec.rows + 1),
-            ("kv_indices", max(spec.rows * spec.blocks_per_row, 1)), ("kv_len_arr", spec.rows))}
-        return wrapper_class(_workspace(device), use_cuda_graph=True, backend="fa3", **buffers)
+        wrapper_class, _ = wrapper_api(self.spec.device)
+        return wrapper_class(_workspace(self.spec.device), use_cuda_graph=True, backend="fa3", **self.buffers)
 
     @property
     def planned_for(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -143,8 +160,8 @@ class FlashInferPlan:
         """Raise if the last plan was not made for this step's lengths (debug mode)."""
         if self.planned_for != self.lengths(host):
             raise StalePlanError(
-                f"FlashInfer plan {self.id} ({self.spec.keys} keys) was made for lengths {self.planned_for}, but this step "
-                f"has {self.lengths(host)}: a run would read another step's metadata"
+                f"a FlashInfer plan ({self.spec.keys} keys) was made for lengths {self.planned_for}, but this step has "
+                f"{self.lengths(host)}: a run would read another step's metadata"
             )
 
     def run(self, q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor):
@@ -162,61 +179,46 @@ class FlashInferPlan:
 
 @torch.library.custom_op("dcp_flashinfer::mla_paged_attention", mutates_args=())
 def mla_paged_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
-                        plan_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q over the rank's KV shard as planned by FlashInferPlan `plan_id`.
-    Returns out [T, H, R] in q's dtype and lse [T, H] fp32 (natural log)."""
-    out, lse = plan_by_id(plan_id).run(q_latent, q_rope, kv_cache)
+                        plan: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over the rank's KV shard as planned by the plan whose kv_indices buffer is
+    `plan`. Returns out [T, H, R] in q's dtype and lse [T, H] fp32 (natural log)."""
+    out, lse = plan_of(plan).run(q_latent, q_rope, kv_cache)
     return out, lse
 
 
 @mla_paged_attention.register_fake
-def _(q_latent, q_rope, kv_cache, plan_id):
+def _(q_latent, q_rope, kv_cache, plan):
     tokens, heads, _ = q_latent.shape
     return q_latent.new_empty(q_latent.shape), q_latent.new_empty((tokens, heads), dtype=torch.float32)
 
 
-@torch.library.custom_op("dcp_flashinfer::check_plan", mutates_args=())
-def check_plan(q_latent: torch.Tensor, req_to_token: torch.Tensor, seq_lens: torch.Tensor, q_seq_ids: torch.Tensor,
-               q_positions: torch.Tensor, plan_id: int, dcp_rank: int, dcp_size: int, interleave: int) -> torch.Tensor:
-    """Debug mode: raise if plan `plan_id` was made from host metadata that disagrees with the
-    batch tensors (a stale length after a rejected draft, another step's block table). Returns a
-    copy of q_latent, which the attention then reads, so the check runs first."""
-    from dcp_compile.lowering.torch import reference
+class FlashInferFeed(HostFeed):
+    """A lowered graph's plans, made from each step's host metadata before it runs or replays,
+    and its plan inputs (with the lengths and block table its debug check reads)."""
 
-    plan = plan_by_id(plan_id)
-    host = plan.planned_host
-    if host is None:
-        raise RuntimeError("this graph's FlashInfer attention ran before it was planned")
-    reference.check_host_metadata(host.block_table.to(req_to_token.device), req_to_token, seq_lens, q_seq_ids, q_positions, dcp_rank, dcp_size,
-                                  interleave, plan.spec.block_size, host.local_seq_lens, host.local_prefix_lens,
-                                  host.cumulative_query_lens)
-    return q_latent.clone()
+    def __init__(self, gm: fx.GraphModule, dcp_rank: int):
+        specs = gm.meta[PLAN_SPECS]
+        super().__init__(gm.graph, dcp_rank, rows=specs[0].rows)
+        self.plans = [FlashInferPlan(spec) for spec in specs]
+
+    def prepare(self, host: RankHostMetadata) -> None:
+        # plan() copies host values to the device, which a device-graph capture must not record;
+        # the graph runner plans before every replay instead.
+        if devices.capturing(self.plans[0].spec.device):
+            return
+        for plan in self.plans:
+            plan.plan(host)
+
+    def value(self, host_input: HostInput, host: RankHostMetadata, example):
+        if host_input.kind != PLAN_INPUT:
+            return super().value(host_input, host, example)
+        return self.plans[host_input.index].kv_indices
+
+    def check_fed(self, host: RankHostMetadata) -> None:
+        super().check_fed(host)
+        for plan in self.plans:
+            plan.check_planned(host)
 
 
-@check_plan.register_fake
-def _(q_latent, req_to_token, seq_lens, q_seq_ids, q_positions, plan_id, dcp_rank, dcp_size, interleave):
-    return q_latent.new_empty(q_latent.shape)
-
-
-def graph_plans(graph_meta: dict) -> list[FlashInferPlan]:
-    """The FlashInfer plans of a lowered graph (gm.meta), in the order the pass made them."""
-    return [plan_by_id(i) for i in graph_meta.get("dcp_flashinfer_plans", ())]
-
-
-def plan_step(plans: list[FlashInferPlan], host, dcp_rank: int) -> None:
-    """Plan every FlashInfer call of a graph for this step, from its HostMetadata. Skipped while a
-    CUDA graph is being captured: plan() copies host values, which a capture must not record;
-    the graph runner plans before every replay instead."""
-    if not plans:
-        return
-    if host is None:
-        raise RuntimeError(
-            "this graph's attention runs FlashInfer, which is planned from host-side metadata (local lengths, block "
-            "table): call the model with host_metadata=batch.host (a ForwardBatch from RequestTable), or with the "
-            "batch tensors on the CPU"
-        )
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return
-    rank = host.for_rank(dcp_rank)
-    for plan in plans:
-        plan.plan(rank)
+def plan_placeholders(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in host_placeholders(graph) if n.meta[HOST_INPUT].kind == PLAN_INPUT]

@@ -90,23 +90,8 @@ def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, 
 
 
 def local_metadata(req_to_token, seq_lens, dcp_rank: int, dcp_size: int, interleave: int):
-    """A rank's local view of each request: local rows and global positions, in position order.
-
-    Returns (local_req_to_token [B, L], local_seq_lens [B], local_positions [B, L]); entries past
-    local_seq_lens[b] are 0 and never read. L stays the global width so shapes are static.
-    """
-    batch, width = req_to_token.shape
-    positions = torch.arange(width, device=req_to_token.device)
-    valid = positions[None, :] < seq_lens[:, None].to(positions.dtype)
-    owned = valid & (layout.owner(req_to_token, dcp_size, interleave) == dcp_rank)
-    local_seq_lens = owned.sum(dim=1).to(seq_lens.dtype)
-    # A stable sort on "not owned" moves owned entries to the front and keeps their order.
-    order = torch.sort((~owned).to(torch.int8), dim=1, stable=True).indices
-    kept = torch.gather(owned, 1, order)
-    local_rows = layout.local_row(torch.gather(req_to_token, 1, order), dcp_size, interleave)
-    local_req_to_token = torch.where(kept, local_rows, 0).to(req_to_token.dtype)
-    local_positions = torch.where(kept, order, 0).to(req_to_token.dtype)
-    return local_req_to_token, local_seq_lens, local_positions
+    """A rank's local view of each request (runtime.layout.local_view, the one place of that math)."""
+    return layout.local_view(req_to_token, seq_lens, dcp_rank, dcp_size, interleave)
 
 
 def partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, sm_scale: float):

@@ -36,7 +36,7 @@ _LAUNCHER_MODULES = {
     "window_attention": "window",
 }
 
-__all__ = ["available", *_LAUNCHER_MODULES]
+__all__ = ["available", "interpreted", *_LAUNCHER_MODULES]
 
 
 def available() -> bool:
@@ -47,6 +47,17 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def interpreted() -> bool:
+    """Whether Triton kernels defined now run in its interpreter (TRITON_INTERPRET, read as Triton
+    reads it): the only way they run on a CPU."""
+    import os
+
+    import triton
+
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older builds (triton-ascend) read the variable directly
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def __getattr__(name: str):

@@ -22,17 +22,21 @@ from pathlib import Path
 
 import torch
 
-from dcp_compile import api, cost_model
+from dcp_compile import api
+from dcp_compile.lowering import registry
 from dcp_compile.models import hf_config
-from dcp_compile.models.config import allowed_tp_sizes, preset
+from dcp_compile.models.config import allowed_tp_sizes
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.models.pretrained import load_pretrained
 from dcp_compile.models.safetensors_reader import SafetensorsReader
 from dcp_compile.runtime import layout, parallel
-from dcp_compile.runtime.batch import RequestTable, check_draft_len
+from dcp_compile.runtime.batch import RequestTable
+from dcp_compile.runtime.devices import require_torch_npu
+from dcp_compile.runtime.kv_pool import PoolSpec
 from dcp_compile.runtime.launch import DEFAULT_TIMEOUT_S, check_timeout, spawn
+from dcp_compile.workload import DTYPES, MODES, Workload
 
-MODES = ("decode", "verify", "extend")
+__all__ = ["MODES", "Scenario", "compare", "compare_torchrun", "half_precision_tolerance"]
 TOLERANCE = 1e-5
 """fp32: the largest |logits(DCP) - logits(dcp_size=1)| that counts as a match."""
 UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -51,39 +55,19 @@ def half_precision_tolerance(dtype: str, mla_layers: int, logits_scale: float) -
 
 
 @dataclass(frozen=True)
-class Scenario:
-    mode: str = "decode"
-    dcp_size: int = 2
-    tp_size: int = 2
-    batch: int = 4
+class Scenario(Workload):
+    """A workload (dcp_compile.workload.Workload) run end to end on ranks, with its schedule."""
+
     contexts: tuple[int, ...] = (1, 3, 17, 64)
     steps: int = 8
     seed: int = 0
-    model: str = "tiny"
-    layers: int | None = None
-    num_heads: int | None = None
-    """Override the preset's attention heads (e.g. a count FIA needs padded to a power of two)."""
-    interleave: int = 1
-    page_size: int | None = None
-    """Defaults to the interleave size (page-interleaved when I > 1)."""
     pad_rows: int = 1
     kv_rows: int = 4096
     debug_checks: bool = True
-    draft_len: int = 7
-    chunk: int | None = None
-    """Extend mode: prompt tokens fed per request per step (None: whole prompts at once)."""
-    attention_strategy: str = "auto"
     shared_prefix: int = 0
     """Request 1 shares request 0's first tokens (their page-table rows share locations)."""
-    kernels: str = "auto"
-    """Kernels of the DCP model ('torch', 'triton', 'npu' or 'auto'); the baseline uses the
-    reference on CPU, except under 'npu', where both models run the NPU lowering."""
-    block_size: int = 16
-    """kernels='npu': FIA's block size (rows of one local block); pages are block_size x N
-    locations (interleave 1) or block_size (interleave == block_size)."""
     device: str = "cpu"
     """'cpu' (gloo ranks), 'cuda' (one GPU per rank, NCCL) or 'npu' (one Ascend NPU per rank, HCCL)."""
-    dtype: str = "float32"
     timeout: float = DEFAULT_TIMEOUT_S
     """Seconds a collective waits for a stalled rank before the run fails."""
     checkpoint: str | None = None
@@ -92,22 +76,23 @@ class Scenario:
     prompt_ids: tuple[int, ...] | None = None
     """Every request's prompt (token ids); None: random prompts of the `contexts` lengths."""
 
+    @property
+    def device_type(self) -> str:
+        return self.device
+
     def __post_init__(self):
         """Everything checkable is checked here, in the parent, before any rank starts."""
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {list(MODES)}")
+        if self.device not in ("cpu", "cuda", "npu"):
+            raise ValueError(f"unknown device {self.device!r}; choose cpu, cuda or npu")
+        if self.checkpoint is not None:
+            object.__setattr__(self, "model", Path(self.checkpoint).name)
+        super().__post_init__()
         check_timeout(self.timeout)
-        for name in ("dcp_size", "tp_size", "batch", "steps", "interleave", "pad_rows", "draft_len", "block_size"):
+        for name in ("tp_size", "steps", "pad_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an int, got {value!r}")
-        if self.interleave < 1:
-            raise ValueError(f"interleave must be >= 1, got {self.interleave}")
-        for name in ("layers", "page_size", "num_heads"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        cfg = self.model_config()  # an unknown model, or a bad checkpoint config, raises here
+        cfg = self.model_config()
         if self.prompt_ids is not None:
             ids = self.prompt_ids
             if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in ids):
@@ -118,25 +103,13 @@ class Scenario:
         elif self.tp_size not in allowed_tp_sizes(cfg):
             raise ValueError(f"tp_size {self.tp_size} does not split model {self.model} ({cfg.num_heads} heads); "
                              f"allowed: {allowed_tp_sizes(cfg)}")
-        if self.device not in ("cpu", "cuda", "npu"):
-            raise ValueError(f"unknown device {self.device!r}; choose cpu, cuda or npu")
         if self.device == "npu":
-            from dcp_compile.lowering.npu import require_torch_npu
-
             require_torch_npu("device='npu'")
-        if self.batch < 1 or self.steps < 0 or self.pad_rows < 0:
-            raise ValueError("batch must be >= 1, steps and pad_rows >= 0")
+        if self.steps < 0 or self.pad_rows < 0:
+            raise ValueError("steps and pad_rows must be >= 0")
         if not self.contexts or min(self.contexts) < 1:
             raise ValueError(f"every context length must be >= 1, got {self.contexts}")
-        if self.mode == "verify":
-            check_draft_len(self.draft_len)
-        if self.chunk is not None and self.chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
-        cost_model.check_strategy(self.attention_strategy)
-        if self.kernels == "npu":
-            self._check_fia_blocks()
-        if self.pages % self.interleave:
-            raise ValueError(f"interleave {self.interleave} must divide the page size {self.pages}")
+        self.check_layout()
         self._check_pages()
         self._check_capacity()
         if self.shared_prefix:
@@ -147,48 +120,30 @@ class Scenario:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda needs a CUDA GPU, and torch finds none here "
                              "(torch.cuda.is_available() is False)")
-        if self.kernels == "triton":
-            self._check_triton()
+        self._check_back_end()
 
-    def _check_fia_blocks(self) -> None:
-        """kernels='npu': pages are FIA blocks of `block_size` rows on each rank (see pages_for)."""
-        from dcp_compile.passes.base import PassConfig
-        from dcp_compile.passes.lower_npu_attention import FIA_MAX_BLOCK_SIZE, fia_block_size
-
-        if self.page_size is not None:
-            raise ValueError("kernels='npu' sets the page size from --block-size (block_size x dcp_size, or block_size)")
-        if self.interleave not in (1, self.block_size):
-            raise ValueError(f"kernels='npu' reads pages as FIA blocks: interleave must be 1 or the block size "
-                             f"{self.block_size}, got {self.interleave}")
-        try:
-            fia_block_size(PassConfig(dcp_size=self.dcp_size, interleave=self.interleave, page_size=self.pages))
-        except ValueError:
-            raise ValueError(f"block_size (--block-size) {self.block_size} is not a block size FIA takes: a multiple of "
-                             f"16, at most {FIA_MAX_BLOCK_SIZE}") from None
+    def _check_back_end(self) -> None:
+        """The back end serves this device, widths and dtype ('auto' is resolved on the ranks)."""
+        if self.kernels == registry.AUTO:
+            return
+        cfg = self.model_config()
+        pool = PoolSpec(torch.device(self.device), cfg.kv_lora_rank, cfg.qk_rope_head_dim, DTYPES[self.dtype], self.pages)
+        reason = self.lowering().unsupported_reason(pool, self.config())
+        if reason is not None:
+            raise ValueError(f"--kernels {self.kernels}: {reason}")
 
     def _check_pages(self) -> None:
-        """Both models' pages tile the pool (the KV pool and the request table need it), and the
-        paged kernels can read the DCP model's pages as whole local blocks."""
+        """Both models' pages tile the pool (the KV pool and the request table need it)."""
+        sets_pages = self.lowering().page_size(self.dcp_size, self.interleave, self.block_size) is not None
         for dcp_size in sorted({self.dcp_size, 1}, reverse=True):
             pages = self.pages_for(dcp_size)
             if self.kv_rows % pages == 0:
                 continue
-            if self.kernels == "npu":
+            if sets_pages:
                 raise ValueError(f"block_size (--block-size) {self.block_size} makes pages of {pages} locations at "
                                  f"dcp_size {dcp_size}, which must divide the KV pool's {self.kv_rows} rows (kv_rows)")
             raise ValueError(f"page_size (--page-size, default the interleave) {pages} must divide the KV pool's "
                              f"{self.kv_rows} rows (kv_rows) and be a multiple of the interleave {self.interleave}")
-        if self.kernels == "flashinfer":
-            layout.require_local_block_size(self.pages, self.dcp_size, self.interleave, "--kernels flashinfer")
-
-    def _check_triton(self) -> None:
-        from dcp_compile.lowering import triton as triton_kernels
-
-        if not triton_kernels.available():
-            raise ValueError("--kernels triton needs the triton package (pip install triton)")
-        if self.device == "cpu" and not _triton_interpreted():
-            raise ValueError("--kernels triton on the CPU runs the Triton kernels in Triton's interpreter, which is off: "
-                             "set TRITON_INTERPRET=1 (no Triton driver runs on the CPU)")
 
     def _check_checkpoint(self) -> None:
         ckpt = hf_config.read_config(self.checkpoint)
@@ -219,16 +174,6 @@ class Scenario:
         step (the drafts a step rejects are released before the next)."""
         return max(self.lengths) + self.steps * (self.draft_len if self.mode == "verify" else 1)
 
-    @property
-    def pages(self) -> int:
-        return self.pages_for(self.dcp_size)
-
-    def pages_for(self, dcp_size: int) -> int:
-        """Page size of the model at `dcp_size`: under 'npu', one FIA block per rank (or one rank per page)."""
-        if self.kernels != "npu":
-            return self.page_size or self.interleave
-        return self.block_size * dcp_size if self.interleave == 1 else self.block_size
-
     def tolerance(self, logits_scale: float) -> float:
         if self.dtype == "float32":
             return TOLERANCE
@@ -242,24 +187,19 @@ class Scenario:
 
     @property
     def model_name(self) -> str:
-        return Path(self.checkpoint).name if self.checkpoint is not None else self.model
+        return self.model
+
+    @property
+    def baseline_kernels(self) -> str:
+        """The dcp_size=1 baseline's back end: the DCP model's own where its numerics differ from the
+        reference's (Lowering.baseline), else the torch reference on the CPU and 'auto' on a device."""
+        return self.lowering().baseline or ("torch" if self.device == "cpu" else registry.AUTO)
 
     def model_config(self):
         if self.checkpoint is not None:
             cfg = hf_config.read_config(self.checkpoint).model
             return cfg.with_layers(self.layers) if self.layers else cfg
-        cfg = preset(self.model)
-        if self.num_heads:
-            cfg = cfg.replace(num_heads=self.num_heads)
-        return cfg.with_layers(self.layers) if self.layers else cfg
-
-
-def _triton_interpreted() -> bool:
-    """Whether Triton kernels defined now run in its interpreter (TRITON_INTERPRET, read as Triton reads it)."""
-    import triton
-
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older builds (triton-ascend) read the variable directly
-    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
+        return super().model_config()
 
 
 def request_prompts(scenario: Scenario, vocab: int) -> list[list[int]]:
@@ -288,9 +228,9 @@ class Driver:
                                   scenario.pages_for(config.dcp_size), dcp_size=config.dcp_size,
                                   interleave=config.interleave, vocab_size=vocab)
         self.logits: list[torch.Tensor] = []
-        self.generated: list[list[int]] = [[] for _ in range(scenario.batch)]
+        self.fed: list[list[int]] = [[] for _ in range(scenario.batch)]
         """The tokens fed back: the leader's where there is one."""
-        self.chosen: list[list[int]] = [[] for _ in range(scenario.batch)]
+        self.generated: list[list[int]] = [[] for _ in range(scenario.batch)]
         """This model's own greedy tokens (and the accepted drafts), for the same inputs."""
         self.graph_keys: set[tuple] = set()
         """Distinct (tokens, rows, page-table width, strategy) of the steps run: one graph each."""
@@ -324,7 +264,7 @@ class Driver:
 
     def decode(self, step: int):
         requests = list(range(self.scenario.batch))
-        out = self._step(requests, [[seq[-1]] for seq in self.generated])
+        out = self._step(requests, [[seq[-1]] for seq in self.fed])
         for b in requests:
             self._generate(b, int(out[b].argmax()))
 
@@ -335,20 +275,20 @@ class Driver:
         drafts = torch.randint(1, self.vocab, (s.batch, k - 1), generator=gen).tolist()
         accepted = torch.randint(0, k, (s.batch,), generator=gen).tolist()
         requests = list(range(s.batch))
-        out = self._step(requests, [[seq[-1]] + d for seq, d in zip(self.generated, drafts)], all_logits=True)
+        out = self._step(requests, [[seq[-1]] + d for seq, d in zip(self.fed, drafts)], all_logits=True)
         for b in requests:
             m = accepted[b]
             kept_len = int(self.table.seq_lens[b]) - k + 1 + m
             self.table.truncate(b, kept_len)
+            self.fed[b].extend(drafts[b][:m])
             self.generated[b].extend(drafts[b][:m])
-            self.chosen[b].extend(drafts[b][:m])
             self._generate(b, int(out[b * k + m].argmax()))
 
     def _generate(self, request: int, token: int) -> None:
-        self.chosen[request].append(token)
-        if self.leader is not None:
-            token = self.leader.generated[request][len(self.generated[request])]
         self.generated[request].append(token)
+        if self.leader is not None:
+            token = self.leader.fed[request][len(self.fed[request])]
+        self.fed[request].append(token)
 
 
 def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
@@ -365,12 +305,9 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
             model = load_pretrained(scenario.checkpoint, num_layers=scenario.layers, **common)
         else:
             model = MLAModel(cfg, seed=scenario.seed, **common)
-        baseline_kernels = "torch" if scenario.device == "cpu" else "auto"
-        if scenario.kernels == "npu":
-            baseline_kernels = "npu"
         return api.apply(model, dcp_size, interleave=scenario.interleave if dcp_size > 1 else 1,
                          debug_checks=scenario.debug_checks, attention_strategy=scenario.attention_strategy,
-                         kernels=scenario.kernels if dcp_size > 1 else baseline_kernels)
+                         kernels=scenario.kernels if dcp_size > 1 else scenario.baseline_kernels)
 
     start = time.perf_counter()
     base_driver = Driver(make(1), scenario, cfg.vocab_size)
@@ -400,8 +337,8 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         "graph_keys": len(dcp.graph_keys),
         "strategy_counts": dict(state.strategy_counts),
         "last_strategy_reason": decision.reason if decision else None,
-        "tokens": dcp.generated,
-        "generated": dcp.chosen,
+        "tokens": dcp.fed,
+        "generated": dcp.generated,
         "seconds": time.perf_counter() - start,
     }
 

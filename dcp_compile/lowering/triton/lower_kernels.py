@@ -7,9 +7,10 @@
 Assumes: the DCP rewrites ran (or were switched off); what is left of the canonical ops has the
 unsharded meaning, which the Triton kernels serve with dcp_size 1.
 Guarantees: each swapped node keeps its arguments, users and fake value; ops with no Triton
-kernel keep the torch reference. 'auto' and 'flashinfer' lower only graphs whose KV cache lives
-on CUDA (under 'flashinfer', what lower_flashinfer_attention left), 'npu' only graphs whose KV
-cache lives on an NPU (what lower_npu_attention left, for triton-ascend).
+kernel keep the torch reference. It lowers graphs whose KV cache lives on one of `devices`
+(None: any device, the CPU under TRITON_INTERPRET=1 too): a paged lowering that serves attention
+over the pool itself runs it after its own pass, for what is left (KV writes, metadata, pack,
+merge, window attention; on an NPU under triton-ascend).
 Why a pass: the kernel choice depends on the device and the deployment, and a visible target in
 the graph says which kernel runs.
 """
@@ -21,7 +22,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from dcp_compile.lowering.registry import LAUNCHERS, triton_op
+from dcp_compile.lowering.triton.ops import LAUNCHERS, triton_op
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import call, fake_value, size_of
@@ -38,18 +39,13 @@ def _graph_device(graph: fx.Graph) -> torch.device | None:
 class LowerKernels(GraphPass):
     name = "lower_kernels"
 
-    def applies(self, config: PassConfig) -> bool:
-        return config.kernels != "torch"
+    def __init__(self, devices: tuple[str, ...] | None = None):
+        self.devices = devices
 
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         graph = gm.graph
         device = _graph_device(graph)
-        # 'flashinfer' lowered attention over the pool already; the rest runs Triton on CUDA.
-        if config.kernels in ("auto", "flashinfer") and (device is None or device.type != "cuda"):
-            return 0
-        # kernels='npu': what FIA does not serve (KV writes, gather-kv attention) runs the same
-        # Triton kernels under triton-ascend on an NPU; on the CPU stand-ins, the torch reference.
-        if config.kernels == "npu" and (device is None or device.type != "npu"):
+        if self.devices is not None and (device is None or device.type not in self.devices):
             return 0
         lowered = 0
         swaps = {getattr(torch.ops.dcp, name).default: triton_op(name) for name in LAUNCHERS}

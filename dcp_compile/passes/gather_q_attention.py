@@ -28,6 +28,7 @@ import torch.fx as fx
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import call, check_replacement, fake_value
+from dcp_compile.ops import targets
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -48,8 +49,8 @@ def _as_dtype(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
     return call(graph, aten._to_copy.default, node, dtype=dtype)
 
 
-class RewriteAttention(GraphPass):
-    name = "rewrite_attention"
+class GatherQAttention(GraphPass):
+    name = "gather_q_attention"
 
     def applies(self, config: PassConfig) -> bool:
         return config.dcp_size > 1 and config.attention_strategy == "gather-q"
@@ -62,7 +63,7 @@ class RewriteAttention(GraphPass):
         for site in attention:
             meta = metadata.get((site.req_to_token, site.seq_lens))
             if meta is None:
-                raise RuntimeError("rewrite_attention found an MLA site with no local metadata: run local_metadata first")
+                raise RuntimeError("gather_q_attention found an MLA site with no local metadata: run local_metadata first")
             _, heads, rank_dim = fake_value(site.q_latent).shape
             row_dim = rank_dim + fake_value(site.q_rope).shape[-1]
             with graph.inserting_before(site.node):
@@ -75,13 +76,13 @@ class RewriteAttention(GraphPass):
                 q_latent = _as_dtype(graph, call(graph, aten.slice.Tensor, q, -1, 0, rank_dim), fake_value(site.q_latent).dtype)
                 q_rope = _as_dtype(graph, call(graph, aten.slice.Tensor, q, -1, rank_dim, row_dim), fake_value(site.q_rope).dtype)
                 local = [call(graph, operator.getitem, meta, i) for i in range(3)]
-                partial = call(graph, sites.PARTIAL_ATTENTION, q_latent, q_rope, site.cache, *local,
+                partial = call(graph, targets.PARTIAL_ATTENTION, q_latent, q_rope, site.cache, *local,
                                site.q_seq_ids, site.q_positions, site.sm_scale)
                 out, lse = (call(graph, operator.getitem, partial, i) for i in range(2))
-                packed = call(graph, torch.ops.dcp.pack_partials.default, out, lse, n)
+                packed = call(graph, targets.PACK_PARTIALS, out, lse, n)
                 exchanged = call(graph, c10d.all_to_all_single.default, packed, [1] * n, [1] * n, group)
                 exchanged = call(graph, c10d.wait_tensor.default, exchanged)
-                merged = call(graph, torch.ops.dcp.merge_partials.default, exchanged, rank_dim)
+                merged = call(graph, targets.MERGE_PARTIALS, exchanged, rank_dim)
             check_replacement(site.node, merged, self.name)
             site.node.replace_all_uses_with(merged)
         for site in attention:

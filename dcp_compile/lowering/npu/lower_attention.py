@@ -1,0 +1,181 @@
+"""Lower attention over the KV pool to Ascend FIA, and the LSE merge to npu_attention_update.
+
+    before: o, lse = dcp.mla_partial_attention(q_lat [T,NH,R], q_rope, cache, *local_meta, ids, pos, s)
+            (at dcp_size 1: o = dcp.mla_attention(q_lat, q_rope, cache, req_to_token, seq_lens, ids, pos, s))
+    after (decode, T == B):
+            o, lse = npu.npu_fused_infer_attention_score(q [B,1,Hp,R], key, key, query_rope, key_rope,
+                         input_layout="BSND", block_table, block_size, actual_seq_lengths_kv=local_lens,
+                         num_heads=Hp, num_key_value_heads=1, sparse_mode=0, softmax_lse_flag=True)
+    after (verify, short extend: T != B, at most 16 queries a row):
+            o, lse = npu.npu_fused_infer_attention_score(q [T,Hp,R], ..., input_layout="TND",
+                         actual_seq_lengths=cumulative query lens, actual_seq_lengths_kv=local_prefix_lens)
+            o, lse = dcp.window_attention(o, lse, q, q_rope, cache, *local_meta, ids, pos, s, 16)
+    and     dcp.merge_partials(buf, R) -> npu.npu_attention_update(lses, outs, 0) over dcp.split_partials(buf, R)
+
+The lengths and the block table are host-fed graph inputs (lowering/paged.HostPlaceholders) that
+the graph's FIAFeed fills each step. Why this scheme (layouts, the split for verify, heads padded
+to a power of two, FIA's +inf on an empty shard): docs/paged-lowerings.md; the FIA facts it
+rests on: docs/ascend.md.
+
+Assumes: gather_q_attention ran (dcp_size > 1) or the graph is the canonical one (dcp_size 1);
+pages map onto whole local blocks; the queries of a row are the last query_lens[b] positions of
+its sequence, grouped by row (RequestTable's batches), which debug mode checks.
+Guarantees: every attention over the pool runs FIA; out and lse keep mla_partial_attention's
+contract (out in q's dtype, fp32 lse, -inf where a row sees no key); a padded row (all shards
+empty) merges to 0, never NaN.
+Why a pass: the kernel and its layout depend on the deployment (Ascend), not on the model.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from dcp_compile.lowering import paged
+from dcp_compile.lowering.npu import ensure_ops
+from dcp_compile.ops import targets
+from dcp_compile.passes import sites
+from dcp_compile.passes.base import GraphPass, PassConfig
+from dcp_compile.passes.graph_utils import call, fake_value
+from dcp_compile.runtime import layout
+from dcp_compile.runtime.host_metadata import block_table_width
+
+aten = torch.ops.aten
+FIA_HEAD_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)  # docs/ascend.md §4.2
+FIA_MAX_BLOCK_SIZE = 1024  # docs/ascend.md §4.5: a multiple of 16, at most 1024 (CANN's 2026 tiling check)
+MAX_UPDATE_SHARDS = 16  # npu_attention_update: at most 16 inputs (docs/ascend.md §8.3)
+
+
+def fia_op():
+    return torch.ops.npu.npu_fused_infer_attention_score.default
+
+
+def attention_update_op():
+    return torch.ops.npu.npu_attention_update.default
+
+
+def fia_block_size(page_size: int, dcp_size: int, interleave: int) -> int:
+    block_size = layout.require_local_block_size(page_size, dcp_size, interleave, "the NPU lowering (FIA's block table)")
+    if block_size % 16 or not 0 < block_size <= FIA_MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"FIA's block_size must be a multiple of 16 and at most {FIA_MAX_BLOCK_SIZE} (docs/ascend.md §4.5); page "
+            f"size {page_size} over dcp_size {dcp_size} with interleave {interleave} gives {block_size}"
+        )
+    return block_size
+
+
+def padded_heads(heads: int) -> int:
+    for count in FIA_HEAD_COUNTS:
+        if count >= heads:
+            return count
+    raise ValueError(
+        f"FIA serves at most {FIA_HEAD_COUNTS[-1]} query heads (docs/ascend.md §4.2), but attention here has {heads} "
+        "(TP-local heads x dcp_size): use a larger TP size or a smaller dcp_size"
+    )
+
+
+class LowerNPUAttention(GraphPass):
+    name = "lower_npu_attention"
+
+    def applies(self, config: PassConfig) -> bool:
+        return config.attention_strategy == "gather-q"
+
+    def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
+        ensure_ops()
+        graph = gm.graph
+        attention = sites.find_pool_attention(graph, config.dcp_size)
+        merges = [n for n in graph.nodes if n.op == "call_function" and n.target is targets.MERGE_PARTIALS]
+        if not attention and not merges:
+            return 0
+        block_size = fia_block_size(config.page_size, config.dcp_size, config.interleave)
+        host: paged.HostPlaceholders | None = None
+        checked_table: fx.Node | None = None
+        views: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
+        for site in attention:
+            tokens = fake_value(site.q_latent).shape[0]
+            rows, width = fake_value(site.req_to_token).shape
+            if host is None:
+                host = paged.HostPlaceholders(graph, rows, tokens, block_table_width(width, config.page_size),
+                                              fake_value(site.cache).device)
+
+            def kernel(graph, site, q_latent, q_rope, decode):
+                nonlocal checked_table
+                if checked_table is None:
+                    checked_table = paged.checked_block_table(graph, host, site, config, block_size, decode)
+                if site.cache not in views:
+                    views[site.cache] = self._paged_views(graph, site, block_size)
+                return self._fia(graph, site, q_latent, q_rope, host, checked_table, views[site.cache], block_size, decode)
+
+            paged.lower_pool_attention(graph, site, kernel, split=True, reader="FIA (docs/ascend.md §4.3)")
+        for node in merges:
+            self._lower_merge(graph, node)
+        return len(attention) + len(merges)
+
+    @staticmethod
+    def _paged_views(graph, site: sites.PoolAttention, block_size: int) -> tuple[fx.Node, fx.Node]:
+        rows, row_dim = fake_value(site.cache).shape
+        rank_dim = fake_value(site.q_latent).shape[-1]
+        if rows % block_size:
+            raise ValueError(f"the KV shard's {rows} rows are not whole blocks of {block_size}")
+        blocks = rows // block_size
+        latent = call(graph, aten.slice.Tensor, site.cache, 1, 0, rank_dim)
+        rope = call(graph, aten.slice.Tensor, site.cache, 1, rank_dim, row_dim)
+        return (call(graph, aten.view.default, latent, [blocks, block_size, rank_dim]),
+                call(graph, aten.view.default, rope, [blocks, block_size, row_dim - rank_dim]))
+
+    @staticmethod
+    def _fia(graph, site, q_latent, q_rope, host: paged.HostPlaceholders, block_table, views, block_size: int,
+             decode: bool):
+        tokens, heads, rank_dim = fake_value(q_latent).shape
+        rope_dim = fake_value(q_rope).shape[-1]
+        rows = fake_value(site.req_to_token).shape[0]
+        all_heads = padded_heads(heads)
+        if all_heads != heads:
+            q_latent = call(graph, aten.constant_pad_nd.default, q_latent, [0, 0, 0, all_heads - heads])
+            q_rope = call(graph, aten.constant_pad_nd.default, q_rope, [0, 0, 0, all_heads - heads])
+        # The framework would copy a non-contiguous query anyway (docs/ascend.md §11.1); the
+        # gathered q's latent and rope are slices of one row.
+        q_latent, q_rope = (x if fake_value(x).is_contiguous() else
+                            call(graph, aten.clone.default, x, memory_format=torch.contiguous_format)
+                            for x in (q_latent, q_rope))
+        key, key_rope = views
+        common = dict(num_heads=all_heads, scale=site.sm_scale, num_key_value_heads=1, block_table=block_table,
+                      block_size=block_size, sparse_mode=0, softmax_lse_flag=True)
+        if decode:
+            query = call(graph, aten.view.default, q_latent, [rows, 1, all_heads, rank_dim])
+            query_rope = call(graph, aten.view.default, q_rope, [rows, 1, all_heads, rope_dim])
+            fia = call(graph, fia_op(), query, key, key, query_rope=query_rope, key_rope=key_rope, input_layout="BSND",
+                       actual_seq_lengths_kv=host.local_lens(), **common)
+        else:
+            fia = call(graph, fia_op(), q_latent, key, key, query_rope=q_rope, key_rope=key_rope, input_layout="TND",
+                       actual_seq_lengths=host.cumulative_query_lens(), actual_seq_lengths_kv=host.prefix_lens(), **common)
+        out = call(graph, aten.view.default, call(graph, operator.getitem, fia, 0), [tokens, all_heads, rank_dim])
+        lse = call(graph, aten.view.default, call(graph, operator.getitem, fia, 1), [tokens, all_heads])
+        # FIA's empty shard gives +inf (docs/ascend.md §7.2): the project's convention is -inf.
+        lse = call(graph, aten.masked_fill.Scalar, lse, call(graph, aten.eq.Scalar, lse, float("inf")), float("-inf"))
+        if all_heads != heads:
+            out = call(graph, aten.slice.Tensor, out, 1, 0, heads)
+            lse = call(graph, aten.slice.Tensor, lse, 1, 0, heads)
+        return out, lse
+
+    @staticmethod
+    def _lower_merge(graph, node: fx.Node) -> None:
+        exchanged, rank_dim = node.args
+        shards, tokens, heads, _ = fake_value(exchanged).shape
+        if shards > MAX_UPDATE_SHARDS:
+            raise ValueError(f"npu_attention_update merges at most {MAX_UPDATE_SHARDS} shards (docs/ascend.md §8.3), "
+                             f"dcp_size is {shards}")
+        if rank_dim % 8 or not 8 <= rank_dim <= 512:
+            raise ValueError(f"npu_attention_update needs a head dim that is a multiple of 8 in [8, 512] "
+                             f"(docs/ascend.md §8.3), got {rank_dim}")
+        with graph.inserting_before(node):
+            split = call(graph, targets.SPLIT_PARTIALS, exchanged, rank_dim)
+            outs, lses = (call(graph, operator.getitem, split, i) for i in range(2))
+            out_list = [call(graph, aten.select.int, outs, 0, i) for i in range(shards)]
+            lse_list = [call(graph, aten.select.int, lses, 0, i) for i in range(shards)]
+            update = call(graph, attention_update_op(), lse_list, out_list, 0)
+            merged = call(graph, aten.view.default, call(graph, operator.getitem, update, 0), [tokens, heads, rank_dim])
+        node.replace_all_uses_with(merged)
+        graph.erase_node(node)

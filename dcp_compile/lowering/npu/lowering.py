@@ -1,0 +1,61 @@
+"""Ascend as a back end: FIA over the pool and npu_attention_update for the merge (torch_npu's
+ops, or their CPU stand-ins where torch_npu is absent); the shared Triton kernels under
+triton-ascend for the rest on an NPU."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from dcp_compile.lowering.base import Lowering
+from dcp_compile.lowering.npu.feed import FIAFeed
+from dcp_compile.lowering.npu.lower_attention import MAX_UPDATE_SHARDS, LowerNPUAttention, fia_block_size, padded_heads
+from dcp_compile.lowering.paged import WINDOW
+from dcp_compile.lowering.triton.lower_kernels import LowerKernels
+from dcp_compile.runtime.devices import require_torch_npu
+from dcp_compile.runtime.host_inputs import host_placeholders
+
+
+class NPULowering(Lowering):
+    name = "npu"
+    description = "Ascend FIA + npu_attention_update (torch_npu; CPU stand-ins without it), Triton for the rest"
+    window = WINDOW
+    plans_on_host = True
+    model_dims = (512, 64)  # FIA's MLA path (docs/ascend.md §4.1)
+    dtypes = (torch.bfloat16, torch.float16)  # docs/ascend.md §4.6
+    baseline = "npu"  # the stand-in's bf16 FIA rounds unlike the reference: compare FIA with FIA
+
+    def check(self, model, pool, config) -> None:
+        if pool.device.type == "npu":
+            require_torch_npu("a KV pool on an NPU")
+        if pool.dtype not in self.dtypes:
+            raise TypeError(f"kernels='npu' needs a bf16 or fp16 KV cache (FIA's query and KV dtypes, docs/ascend.md "
+                            f"§4.6), got {pool.dtype}")
+        if (pool.kv_lora_rank, pool.rope_dim) != self.model_dims:
+            raise ValueError(f"FIA's MLA path needs kv_lora_rank 512 and a rope dim of 64 (docs/ascend.md §4.1), got "
+                             f"{pool.kv_lora_rank} and {pool.rope_dim}")
+        if config.dcp_size > MAX_UPDATE_SHARDS:
+            raise ValueError(f"npu_attention_update merges at most {MAX_UPDATE_SHARDS} shards, dcp_size is {config.dcp_size}")
+        self.check_layout(pool.page_size, config.dcp_size, config.interleave)
+        heads = getattr(model, "num_local_heads", None)
+        if heads is not None:
+            padded_heads(heads * config.dcp_size)
+
+    def static_shapes(self, strategy: str) -> bool:
+        return strategy == "gather-q"
+
+    def page_size(self, dcp_size: int, interleave: int, block_size: int) -> int:
+        """One FIA block per rank per page (interleave 1), or one rank per page (interleave = block)."""
+        if interleave not in (1, block_size):
+            raise ValueError(f"kernels='npu' reads pages as FIA blocks: interleave must be 1 or the block size "
+                             f"{block_size}, got {interleave}")
+        return block_size * dcp_size if interleave == 1 else block_size
+
+    def check_layout(self, page_size: int, dcp_size: int, interleave: int) -> None:
+        fia_block_size(page_size, dcp_size, interleave)
+
+    def passes(self) -> list:
+        return [LowerNPUAttention(), LowerKernels(devices=("npu",))]
+
+    def host_feed(self, gm: fx.GraphModule, dcp_rank: int):
+        return FIAFeed(gm, dcp_rank) if host_placeholders(gm.graph) else None

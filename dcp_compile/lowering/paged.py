@@ -1,0 +1,143 @@
+"""The scheme both paged lowerings (FIA, FlashInfer) share, written once: their kernels read a
+rank's KV shard through a block table planned on the host, with one causal rule they cannot
+express on a shard.
+
+For each attention over the pool (sites.find_pool_attention):
+- decode (one query per row, T == B): the kernel attends over every local key of the row;
+- verify and short extend (T != B, at most WINDOW queries a row): on a shard a query's causal
+  mask is by global position, which a paged kernel's own mask (aligned by local index) cannot
+  express. The keys before a row's first query are visible to all its queries: the kernel
+  attends over those, unmasked, and `dcp.window_attention` adds the <= WINDOW keys at or after
+  it, merged by LSE. Longer chunks take the gather-kv strategy (the compiled model decides).
+
+A lowering gives `lower_pool_attention` its prefix kernel as a callable; the split, the dtype
+of q_rope, the window and the error for long chunks are here. `HostPlaceholders` adds the
+host-fed graph inputs such kernels read (runtime.host_inputs), and `checked_block_table` the
+one debug check of them against the batch tensors.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch._dynamo.source import ConstantSource
+from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+from dcp_compile.ops import targets
+from dcp_compile.passes.base import PassConfig
+from dcp_compile.passes.graph_utils import call, fake_mode_of, fake_value, replace_attention, size_of
+from dcp_compile.passes.sites import PoolAttention
+from dcp_compile.runtime.host_inputs import HOST_INPUT, HostInput
+
+aten = torch.ops.aten
+WINDOW = targets.WINDOW_QUERIES
+
+
+class HostPlaceholders:
+    """The host-fed placeholders of one graph, created on first use, tagged for its HostFeed."""
+
+    def __init__(self, graph: fx.Graph, rows: int, tokens: int, blocks: int, device: torch.device):
+        self.graph, self.rows, self.tokens, self.blocks, self.device = graph, rows, tokens, blocks, device
+        self._made: dict[tuple, object] = {}
+
+    def placeholder(self, name: str, host_input: HostInput, example) -> fx.Node:
+        last = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+        with self.graph.inserting_after(last):
+            node = self.graph.placeholder(name)
+        node.meta["val"] = example
+        node.meta[HOST_INPUT] = host_input
+        return node
+
+    def _ints(self, kind: str, examples: list[int]) -> list[fx.Node]:
+        if kind not in self._made:
+            self._made[kind] = [self.placeholder(f"dcp_{kind}_{b}", HostInput(kind, b), self._symbolic(f"dcp_{kind}_{b}", e))
+                                for b, e in enumerate(examples)]
+        return self._made[kind]
+
+    def _symbolic(self, name: str, example: int):
+        """A SymInt (hint: example) where the graph has a shape environment: an inner compiler
+        that captures NPU graphs (torchair) then sees a symbolic input it refreshes before each
+        replay, not a constant it bakes in (docs/ascend.md §9.4)."""
+        shape_env = getattr(fake_mode_of(self.graph), "shape_env", None)
+        if shape_env is None:
+            return example
+        return shape_env.create_unspecified_symint_and_symbol(example, ConstantSource(name), DimDynamic.DYNAMIC)
+
+    def tensor(self, kind: str, index: int | None, shape, dtype) -> fx.Node:
+        key = (kind, index)
+        if key not in self._made:
+            with fake_mode_of(self.graph):
+                example = torch.empty(shape, dtype=dtype, device=self.device)
+            name = f"dcp_{kind}" if index is None else f"dcp_{kind}_{index}"
+            self._made[key] = self.placeholder(name, HostInput(kind, index), example)
+        return self._made[key]
+
+    def block_table(self) -> fx.Node:
+        return self.tensor("block_table", None, (self.rows, self.blocks), torch.int32)
+
+    def local_lens(self) -> list[fx.Node]:
+        return self._ints("local_len", [1] * self.rows)
+
+    def prefix_lens(self) -> list[fx.Node]:
+        return self._ints("local_prefix_len", [0] * self.rows)
+
+    def cumulative_query_lens(self) -> list[fx.Node]:
+        # Example values: the tokens spread evenly over the rows (a kernel's fake checks them).
+        return self._ints("cumulative_query_len", [(b + 1) * self.tokens // self.rows for b in range(self.rows)])
+
+
+def checked_block_table(graph: fx.Graph, host: HostPlaceholders, site: PoolAttention, config: PassConfig,
+                        block_size: int, decode: bool) -> fx.Node:
+    """The block table a paged kernel reads; in debug mode, a copy made by the one check of the
+    host-fed inputs against the batch tensors (dcp.check_host_metadata), so the check runs first."""
+    table = host.block_table()
+    if not config.debug_checks:
+        return table
+    lens = host.local_lens() if decode else None
+    prefix = None if decode else host.prefix_lens()
+    cumulative = None if decode else host.cumulative_query_lens()
+    return call(graph, targets.CHECK_HOST_METADATA, table, site.req_to_token, site.seq_lens, site.q_seq_ids,
+                site.q_positions, config.dcp_rank, config.dcp_size, config.interleave, block_size, lens, prefix,
+                cumulative)
+
+
+def is_decode(site: PoolAttention) -> bool:
+    tokens = fake_value(site.q_latent).shape[0]
+    rows = fake_value(site.req_to_token).shape[0]
+    return tokens == rows
+
+
+PrefixKernel = Callable[[fx.Graph, PoolAttention, fx.Node, fx.Node, bool], tuple[fx.Node, fx.Node]]
+"""(graph, site, q_latent, q_rope, decode) -> (out, lse) over the row's keys before its first
+query (every local key in decode): out in q's dtype, fp32 natural-log lse, -inf where a row sees
+no key. q_rope has q_latent's dtype."""
+
+
+def lower_pool_attention(graph: fx.Graph, site: PoolAttention, kernel: PrefixKernel, split: bool, reader: str) -> None:
+    """Replace one attention over the pool by `kernel`, plus window attention where `split` (verify
+    and short extend rows); `reader` names the kernel in errors."""
+    tokens = fake_value(site.q_latent).shape[0]
+    rows, width = fake_value(site.req_to_token).shape
+    decode = tokens == rows
+    if split and not decode and tokens > WINDOW * rows:
+        raise ValueError(f"{reader} serves at most {WINDOW} query tokens per request; this graph has {tokens} tokens "
+                         f"over {rows} rows: longer chunks go through the gather-kv strategy")
+    with graph.inserting_before(site.node):
+        q_latent, q_rope = site.q_latent, site.q_rope
+        if fake_value(q_rope).dtype != fake_value(q_latent).dtype:  # one query dtype (docs/ascend.md §4.6)
+            q_rope = call(graph, aten._to_copy.default, q_rope, dtype=fake_value(q_latent).dtype)
+        out, lse = kernel(graph, site, q_latent, q_rope, decode)
+        if split and not decode:
+            key_positions = site.key_positions
+            if key_positions is None:  # dcp_size 1: the page table is global, positions are columns
+                columns = call(graph, aten.arange.default, width, dtype=fake_value(site.req_to_token).dtype,
+                               device=fake_value(site.req_to_token).device)
+                key_positions = call(graph, aten.expand.default, columns, [size_of(graph, site.req_to_token, 0), width])
+            completed = call(graph, targets.WINDOW_ATTENTION, out, lse, q_latent, q_rope, site.cache, site.page_table,
+                             site.local_lens, key_positions, site.q_seq_ids, site.q_positions, site.sm_scale,
+                             min(WINDOW, width))
+            out, lse = (call(graph, operator.getitem, completed, i) for i in range(2))
+    replace_attention(graph, site.node, site.returns_lse, out, lse, reader)

@@ -1,0 +1,36 @@
+"""Which device stacks are present here: torch_npu (Ascend) is imported lazily, only when an
+NPU device, HCCL or torchair is asked for. Where it is not installed (CPU machines, CI) it is
+never imported: installed without Ascend's CANN libraries it breaks `import torch`
+(docs/ascend.md §12)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+NPU_INSTALL_HINT = (
+    "install torch_npu matching your torch (torch-npu 2.12.0 pairs with torch 2.12, 2.13.0 with 2.13; 2.11.0 "
+    "pins torch 2.11.0+cpu) on a machine with the Ascend CANN toolkit (>= 8.5.0 for FIA's LSE with MLA), e.g. "
+    "`pip install torch-npu==2.13.0`, then `source /usr/local/Ascend/ascend-toolkit/set_env.sh`"
+)
+
+
+def torch_npu_installed() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def require_torch_npu(what: str) -> None:
+    """Raise a clear error if `what` (an NPU device, HCCL, torchair) needs torch_npu and it is absent."""
+    if not torch_npu_installed():
+        raise RuntimeError(f"{what} needs torch_npu, which is not installed: {NPU_INSTALL_HINT}")
+    importlib.import_module("torch_npu")
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of `device` is capturing a device graph (CUDA graph, NPU graph):
+    work done then is recorded and replayed, host copies and reads are not."""
+    backend = getattr(torch, torch.device(device).type, None)
+    check = getattr(backend, "is_current_stream_capturing", None)
+    return bool(check()) if check is not None and backend.is_available() else False
