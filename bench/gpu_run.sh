@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, each under its own time limit.
 # Usage: bench/gpu_run.sh OUT_DIR [tests|kernels|decode|lowerings|dcp-step]...   (default: tests kernels decode)
-# FlashInfer travels as wheels (../shared/GPU.md): put them in WHEELS (default .whl) to install them here.
+# FlashInfer travels as wheels (README, "On NVIDIA GPUs"): put them in WHEELS (default .whl) to install them here.
 set -u
 out=${1:?usage: bench/gpu_run.sh OUT_DIR [parts]}; shift
 parts=${*:-tests kernels decode}

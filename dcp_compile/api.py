@@ -163,7 +163,7 @@ class DCPModel(nn.Module):
     @torch.compiler.disable(reason="dcp_compile runs its own compile of the model; an outer compile cannot inline it")
     def forward(self, *args, host_metadata: HostMetadata | None = None, **kwargs):
         """Run one step. host_metadata: the batch's host-side local metadata (`ForwardBatch.host`),
-        needed by kernels that plan on the host (kernels='npu', 'flashinfer'); without it, it is
+        needed by back ends whose kernels plan on the host (Lowering.plans_on_host); without it, it is
         computed from the batch tensors where they are on the CPU."""
         self._latch.check()
         try:

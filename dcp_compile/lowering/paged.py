@@ -4,16 +4,16 @@ express on a shard.
 
 For each attention over the pool (sites.find_pool_attention):
 - decode (one query per row, T == B): the kernel attends over every local key of the row;
-- verify and short extend (T != B, at most WINDOW queries a row): on a shard a query's causal
+- verify and short extend (T != B, at most WINDOW_QUERIES queries a row): on a shard a query's causal
   mask is by global position, which a paged kernel's own mask (aligned by local index) cannot
   express. The keys before a row's first query are visible to all its queries: the kernel
-  attends over those, unmasked, and `dcp.window_attention` adds the <= WINDOW keys at or after
+  attends over those, unmasked, and `dcp.window_attention` adds the <= WINDOW_QUERIES keys at or after
   it, merged by LSE. Longer chunks take the gather-kv strategy (the compiled model decides).
 
-A lowering gives `lower_pool_attention` its prefix kernel as a callable; the split, the dtype
-of q_rope, the window and the error for long chunks are here. `HostPlaceholders` adds the
-host-fed graph inputs such kernels read (runtime.host_inputs), and `checked_block_table` the
-one debug check of them against the batch tensors.
+A lowering's pass is a `PagedAttentionPass` that gives its prefix kernel (`kernel`); the walk
+over the sites, the split, the dtype of q_rope, the window and the error for long chunks are
+here. `HostPlaceholders` adds the host-fed graph inputs such kernels read (runtime.host_inputs),
+and `checked_block_table` the one debug check of them against the batch tensors.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
 from dcp_compile.ops import targets
-from dcp_compile.passes.base import PassConfig
+from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import call, fake_mode_of, fake_value, replace_attention, size_of
-from dcp_compile.passes.sites import PoolAttention
+from dcp_compile.passes.sites import PoolAttention, find_pool_attention
 from dcp_compile.runtime.host_inputs import HOST_INPUT, HostInput
+from dcp_compile.runtime.host_metadata import block_table_width
 
 aten = torch.ops.aten
-WINDOW = targets.WINDOW_QUERIES
 
 
 class HostPlaceholders:
@@ -122,8 +122,8 @@ def lower_pool_attention(graph: fx.Graph, site: PoolAttention, kernel: PrefixKer
     tokens = fake_value(site.q_latent).shape[0]
     rows, width = fake_value(site.req_to_token).shape
     decode = tokens == rows
-    if split and not decode and tokens > WINDOW * rows:
-        raise ValueError(f"{reader} serves at most {WINDOW} query tokens per request; this graph has {tokens} tokens "
+    if split and not decode and tokens > targets.WINDOW_QUERIES * rows:
+        raise ValueError(f"{reader} serves at most {targets.WINDOW_QUERIES} query tokens per request; this graph has {tokens} tokens "
                          f"over {rows} rows: longer chunks go through the gather-kv strategy")
     with graph.inserting_before(site.node):
         q_latent, q_rope = site.q_latent, site.q_rope
@@ -138,6 +138,55 @@ def lower_pool_attention(graph: fx.Graph, site: PoolAttention, kernel: PrefixKer
                 key_positions = call(graph, aten.expand.default, columns, [size_of(graph, site.req_to_token, 0), width])
             completed = call(graph, targets.WINDOW_ATTENTION, out, lse, q_latent, q_rope, site.cache, site.page_table,
                              site.local_lens, key_positions, site.q_seq_ids, site.q_positions, site.sm_scale,
-                             min(WINDOW, width))
+                             min(targets.WINDOW_QUERIES, width))
             out, lse = (call(graph, operator.getitem, completed, i) for i in range(2))
     replace_attention(graph, site.node, site.returns_lse, out, lse, reader)
+
+
+class PagedAttentionPass(GraphPass):
+    """Lowers every attention over the pool of a gather-q graph to a paged kernel (`kernel`), on
+    the host-fed block table and lengths, with the split where `split(config)`."""
+
+    reader = ""
+    """The kernel, as errors name it."""
+
+    def applies(self, config: PassConfig) -> bool:
+        return config.attention_strategy == "gather-q"
+
+    def prepare(self, gm: fx.GraphModule) -> None:
+        """Before the sites (register ops, reset per-graph state)."""
+
+    def block_size(self, config: PassConfig) -> int:
+        raise NotImplementedError
+
+    def split(self, config: PassConfig) -> bool:
+        return True
+
+    def kernel(self, graph: fx.Graph, site: PoolAttention, q_latent: fx.Node, q_rope: fx.Node, decode: bool,
+               host: HostPlaceholders, block_table: fx.Node, block_size: int) -> tuple[fx.Node, fx.Node]:
+        """The prefix kernel of one site (see PrefixKernel); block_table: the checked table."""
+        raise NotImplementedError
+
+    def finish(self, gm: fx.GraphModule, config: PassConfig) -> int:
+        """After the sites: the lowering's other rewrites; returns how many."""
+        return 0
+
+    def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
+        self.prepare(gm)
+        graph = gm.graph
+        found = find_pool_attention(graph, config.dcp_size)
+        if found:
+            block_size = self.block_size(config)
+            first = found[0]
+            rows, width = fake_value(first.req_to_token).shape
+            host = HostPlaceholders(graph, rows, fake_value(first.q_latent).shape[0],
+                                    block_table_width(width, config.page_size), fake_value(first.cache).device)
+            with graph.inserting_before(first.node):
+                table = checked_block_table(graph, host, first, config, block_size, is_decode(first))
+
+            def kernel(graph, site, q_latent, q_rope, decode):
+                return self.kernel(graph, site, q_latent, q_rope, decode, host, table, block_size)
+
+            for site in found:
+                lower_pool_attention(graph, site, kernel, self.split(config), self.reader)
+        return len(found) + self.finish(gm, config)

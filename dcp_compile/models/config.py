@@ -128,7 +128,7 @@ PRESETS: dict[str, MLAModelConfig] = {
         layer_types=("mla", "linear", "mla", "mla"), linear_head_dim=8,
     ),
     # The tiny model with DeepSeek's latent cache (R = 512, P = 64): what Ascend FIA's MLA path
-    # accepts (ASCEND.md §1.4), so the NPU lowering runs on CPU at test sizes.
+    # accepts (docs/ascend.md §4.1), so the NPU lowering runs on CPU at test sizes.
     "tiny-512": MLAModelConfig(
         vocab_size=256, hidden_size=64, num_heads=8, q_lora_rank=48, kv_lora_rank=512,
         qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, intermediate_size=128,

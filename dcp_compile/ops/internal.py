@@ -24,11 +24,13 @@ gathered_kv_metadata(req_to_token, seq_lens, N, I) -> (page_table [B, N*L], seq_
 window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions,
                  q_seq_ids, q_positions, sm_scale, window) -> (out, lse)
     Adds each row's keys at or after its first query (the last <= window entries) to a paged
-    kernel's unmasked attention over the keys before it (NPU verify, see lower_npu_attention).
+    kernel's unmasked attention over the keys before it (verify under the paged lowerings:
+    docs/paged-lowerings.md). window <= WINDOW_QUERIES.
 split_partials(packed [N, T, H, R + w], R) -> (outs [N, T*H, R], lses [N, T*H] fp32)
     The exchanged partials as npu_attention_update's inputs, with the all-empty-row guard.
 check_host_metadata(block_table, req_to_token, seq_lens, q_seq_ids, q_positions, r, N, I, block_size,
-                    host lengths...) -> block_table copy; raises on stale host metadata (debug).
+                    host lengths...) -> block_table copy; raises where the host-fed inputs of a paged
+    kernel disagree with the batch tensors (debug; a registered side effect).
 """
 
 from __future__ import annotations

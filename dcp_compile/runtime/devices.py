@@ -12,7 +12,7 @@ import torch
 
 NPU_INSTALL_HINT = (
     "install torch_npu matching your torch (torch-npu 2.12.0 pairs with torch 2.12, 2.13.0 with 2.13; 2.11.0 "
-    "pins torch 2.11.0+cpu) on a machine with the Ascend CANN toolkit (>= 8.5.0 for FIA's LSE with MLA), e.g. "
+    "pins torch 2.11.0+cpu) on a machine with the Ascend CANN toolkit (>= 8.5.0 for the LSE of its MLA attention), e.g. "
     "`pip install torch-npu==2.13.0`, then `source /usr/local/Ascend/ascend-toolkit/set_env.sh`"
 )
 

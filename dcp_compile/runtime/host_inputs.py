@@ -1,17 +1,17 @@
 """Host-fed graph inputs: the one way values a step computes on the host reach a lowered graph.
 
-A lowering whose kernels plan on the host (Ascend FIA takes its KV lengths as host lists and
-reads the KV through a block table; FlashInfer plans its work on the host) adds placeholders to
+A lowering whose kernels plan on the host (a paged kernel that takes its KV lengths as host
+lists and reads the KV through a block table, or plans its work on the host) adds placeholders to
 the graph, each tagged `meta[HOST_INPUT] = HostInput(kind, index)`, and gives the backend a
 `HostFeed` for the graph. Before every run, and before every replay of a captured graph, the
 feed is handed the step's host metadata (runtime/host_metadata.py):
 
-- `prepare(host)`: host work for this step (FlashInfer's plans);
+- `prepare(host)`: host work for this step (a kernel's plans);
 - `values(host)`: the value of each host-fed placeholder, in placeholder order. Lengths are host
   ints; a tensor (the block table) is copied into a device buffer the feed owns and never moves,
   so a captured graph reads this step's table when it is replayed;
-- `graph_updates(host)`: the host values an NPU graph bakes in at capture (FIA's lengths, by
-  argument name), for `NPUGraph.update` before a replay.
+- `graph_updates(host)`: the host values an NPU graph bakes in at capture (a kernel's host
+  lengths, by argument name), for `NPUGraph.update` before a replay.
 
 The runtime and the graph runner know only this interface; lowering/ implements it. The feed
 lives with its compiled graph: nothing is kept once the graph is gone.
@@ -60,11 +60,15 @@ class HostFeed:
     """Feeds one lowered graph's host-fed placeholders. Lowerings subclass it for host work of
     their own (prepare) and inputs of their own kinds (value); the generic kinds are served here.
 
-    rows: the batch rows the graph was lowered for (host metadata must have as many)."""
+    rows: the batch rows the graph was lowered for (host metadata must have as many); by
+    default read off its block table, or its per-row lengths."""
 
-    def __init__(self, graph: fx.Graph, dcp_rank: int, rows: int):
+    def __init__(self, graph: fx.Graph, dcp_rank: int, rows: int | None = None):
         self.placeholders = host_placeholders(graph)
         self.inputs: list[HostInput] = [n.meta[HOST_INPUT] for n in self.placeholders]
+        if rows is None:
+            tables = [n.meta["val"].shape[0] for n, i in zip(self.placeholders, self.inputs) if i.kind == "block_table"]
+            rows = tables[0] if tables else 1 + max(i.index for i in self.inputs if i.kind in LENGTH_KINDS)
         self.dcp_rank, self.rows = dcp_rank, rows
         self._buffers: dict[int, torch.Tensor] = {}
         self.fed: RankHostMetadata | None = None

@@ -1,9 +1,9 @@
 """Host-side local attention metadata: each DCP rank's local lengths and local block tables.
 
-Kernels that plan on the host need these before a step: Ascend FIA takes its KV lengths as a
-host list (`actual_seq_lengths_kv`, SymInt[]) and reads the KV through a block table; FlashInfer's
-`plan()` runs on the host. The in-graph `dcp::local_metadata` derives the same view on the device,
-which serves the kernels that need no host values.
+Kernels that plan on the host need these before a step: Ascend's paged attention takes its KV
+lengths as a host list (SymInt[]) and reads the KV through a block table, and other paged kernels
+plan their work on the host (docs/paged-lowerings.md). The in-graph `dcp::local_metadata`
+derives the same view on the device, which serves the kernels that need no host values.
 
 `RequestTable` keeps this incrementally (O(tokens appended or released) per step, no device
 sync). `HostMetadata.from_tensors` computes it from CPU batch tensors in O(context): for

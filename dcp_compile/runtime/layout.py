@@ -49,7 +49,7 @@ def validate(dcp_size: int, dcp_rank: int, interleave: int) -> None:
 
 def local_block_size(page_size: int, dcp_size: int, interleave: int = 1) -> int | None:
     """Rows one logical page puts on a rank as one whole local block, or None where a page's
-    rows do not form whole, aligned local blocks (a paged kernel such as Ascend FIA cannot then
+    rows do not form whole, aligned local blocks (a paged kernel cannot then
     read the shard through a block table).
 
     - I*N divides the page size: every rank holds page_size / N consecutive local rows of the

@@ -205,7 +205,7 @@ def _queries(tokens, heads, seed=0):
 
 
 def test_fia_empty_shard_lse_is_made_minus_inf_before_any_merge():
-    """FIA gives lse = +inf where a row has no key (ASCEND.md §1.8); the project's merges treat
+    """FIA gives lse = +inf where a row has no key (docs/ascend.md §7.2); the project's merges treat
     only -inf as empty, so the lowering converts it at once. Unconverted, the window merge of a
     verify row whose prefix shard is empty is wrong."""
     table = RequestTable(2, 64, 1024, 32, dcp_size=2)

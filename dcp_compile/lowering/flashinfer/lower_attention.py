@@ -34,58 +34,43 @@ import torch.fx as fx
 from dcp_compile.lowering import paged
 from dcp_compile.lowering.flashinfer import ensure_ops
 from dcp_compile.lowering.flashinfer.plans import PLAN_INPUT, PLAN_SPECS, PlanSpec, kv_indices_size
-from dcp_compile.passes import sites
-from dcp_compile.passes.base import GraphPass, PassConfig
+from dcp_compile.passes.base import PassConfig
 from dcp_compile.passes.graph_utils import call, fake_value
 from dcp_compile.runtime import layout
-from dcp_compile.runtime.host_metadata import block_table_width
 
 
 def flashinfer_block_size(page_size: int, dcp_size: int, interleave: int) -> int:
     return layout.require_local_block_size(page_size, dcp_size, interleave, "the FlashInfer lowering (its CSR page list)")
 
 
-class LowerFlashInferAttention(GraphPass):
+class LowerFlashInferAttention(paged.PagedAttentionPass):
     name = "lower_flashinfer_attention"
+    reader = "the FlashInfer lowering under DCP"
 
-    def applies(self, config: PassConfig) -> bool:
-        return config.attention_strategy == "gather-q"
-
-    def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
+    def prepare(self, gm: fx.GraphModule) -> None:
         ensure_ops()
-        graph = gm.graph
-        found = sites.find_pool_attention(graph, config.dcp_size)
-        if not found:
-            return 0
-        block_size = flashinfer_block_size(config.page_size, config.dcp_size, config.interleave)
-        specs: list[PlanSpec] = []
-        plans: dict[PlanSpec, fx.Node] = {}
-        host: paged.HostPlaceholders | None = None
-        checked = False
-        for site in found:
-            tokens, heads, rank_dim = fake_value(site.q_latent).shape
-            rows, width = fake_value(site.req_to_token).shape
-            if host is None:
-                host = paged.HostPlaceholders(graph, rows, tokens, block_table_width(width, config.page_size),
-                                              fake_value(site.cache).device)
-            split = config.dcp_size > 1
+        self._plans: dict[PlanSpec, fx.Node] = {}
 
-            def kernel(graph, site, q_latent, q_rope, decode):
-                nonlocal checked
-                if config.debug_checks and not checked:
-                    paged.checked_block_table(graph, host, site, config, block_size, decode)
-                    checked = True
-                spec = PlanSpec(keys="prefix" if split and not decode else "all", causal=not split and not decode,
-                                rows=rows, tokens=tokens, heads=heads, rank_dim=rank_dim,
-                                rope_dim=fake_value(q_rope).shape[-1], block_size=block_size, blocks_per_row=host.blocks,
-                                sm_scale=site.sm_scale, dtype=fake_value(q_latent).dtype, device=host.device)
-                if spec not in plans:
-                    specs.append(spec)
-                    plans[spec] = host.tensor(PLAN_INPUT, len(specs) - 1, (kv_indices_size(spec),), torch.int32)
-                attention = call(graph, torch.ops.dcp_flashinfer.mla_paged_attention.default, q_latent, q_rope, site.cache,
-                                 plans[spec])
-                return tuple(call(graph, operator.getitem, attention, i) for i in range(2))
+    def block_size(self, config: PassConfig) -> int:
+        return flashinfer_block_size(config.page_size, config.dcp_size, config.interleave)
 
-            paged.lower_pool_attention(graph, site, kernel, split=split, reader="the FlashInfer lowering under DCP")
-        gm.meta[PLAN_SPECS] = specs
-        return len(found)
+    def split(self, config: PassConfig) -> bool:
+        return config.dcp_size > 1  # at dcp_size 1 FlashInfer's own causal mask is exact
+
+    def kernel(self, graph, site, q_latent, q_rope, decode, host, block_table, block_size):
+        tokens, heads, rank_dim = fake_value(q_latent).shape
+        split = site.key_positions is not None  # under DCP (gather_q_attention's partial attention)
+        spec = PlanSpec(keys="prefix" if split and not decode else "all", causal=not split and not decode,
+                        rows=host.rows, tokens=tokens, heads=heads, rank_dim=rank_dim,
+                        rope_dim=fake_value(q_rope).shape[-1], block_size=block_size, blocks_per_row=host.blocks,
+                        sm_scale=site.sm_scale, dtype=fake_value(q_latent).dtype, device=host.device)
+        if spec not in self._plans:
+            self._plans[spec] = host.tensor(PLAN_INPUT, len(self._plans), (kv_indices_size(spec),), torch.int32)
+        attention = call(graph, torch.ops.dcp_flashinfer.mla_paged_attention.default, q_latent, q_rope, site.cache,
+                         self._plans[spec])
+        return tuple(call(graph, operator.getitem, attention, i) for i in range(2))
+
+    def finish(self, gm: fx.GraphModule, config: PassConfig) -> int:
+        if self._plans:
+            gm.meta[PLAN_SPECS] = list(self._plans)
+        return 0

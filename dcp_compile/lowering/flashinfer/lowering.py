@@ -9,7 +9,7 @@ from dcp_compile.lowering import flashinfer
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.lowering.flashinfer.lower_attention import LowerFlashInferAttention, flashinfer_block_size
 from dcp_compile.lowering.flashinfer.plans import PLAN_SPECS, FlashInferFeed
-from dcp_compile.lowering.paged import WINDOW
+from dcp_compile.ops.targets import WINDOW_QUERIES
 from dcp_compile.lowering.triton.lower_kernels import LowerKernels
 from dcp_compile.runtime import layout
 
@@ -17,7 +17,7 @@ from dcp_compile.runtime import layout
 class FlashInferLowering(Lowering):
     name = "flashinfer"
     description = "FlashInfer's MLA kernel over the pool (CUDA, Hopper; a torch stand-in on CPU), Triton for the rest"
-    window = WINDOW
+    window = WINDOW_QUERIES
     plans_on_host = True
 
     def unsupported_reason(self, pool, config) -> str | None:

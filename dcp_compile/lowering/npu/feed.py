@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from dcp_compile.lowering.npu.lower_attention import fia_op
-from dcp_compile.runtime.host_inputs import HOST_INPUT, HostFeed, host_placeholders
+from dcp_compile.runtime.host_inputs import HOST_INPUT, HostFeed
 from dcp_compile.runtime.host_metadata import RankHostMetadata
 
 
@@ -15,8 +15,7 @@ class FIAFeed(HostFeed):
     one dict per FIA call in graph order, keyed by FIA's argument names (docs/ascend.md §9.3)."""
 
     def __init__(self, gm: fx.GraphModule, dcp_rank: int):
-        table = next(n for n in host_placeholders(gm.graph) if n.meta[HOST_INPUT].kind == "block_table")
-        super().__init__(gm.graph, dcp_rank, rows=table.meta["val"].shape[0])
+        super().__init__(gm.graph, dcp_rank)
         self.fia_args = [
             {name: value[0].meta[HOST_INPUT].kind for name, value in node.kwargs.items()
              if isinstance(value, (list, tuple)) and value and isinstance(value[0], fx.Node)}

@@ -1,18 +1,18 @@
 """The torchair inner compiler: hands the rewritten graph to torchair, which captures it as an
-Ascend NPU graph (aclgraph) and refreshes FIA's host lengths before each replay (ASCEND.md §3).
+Ascend NPU graph (aclgraph) and refreshes FIA's host lengths before each replay (docs/ascend.md §9.4).
 
-torchair ships inside torch_npu (`import torchair` works once torch_npu is installed, §3.1).
+torchair ships inside torch_npu (`import torchair` works once torch_npu is installed, docs/ascend.md §9.1).
 Modes: 'reduce-overhead' (aclgraph through `torchair.get_npu_backend`) or 'npugraph_ex' (the
 backend torch_npu >= 2.14 registers under that name, which 2.14 recommends over
 reduce-overhead). FIA's `actual_seq_lengths_kv` entries reach it as symbolic graph inputs
-(lower_npu_attention makes them SymInts), so torchair updates them instead of baking them in.
+(lowering/paged.HostPlaceholders makes them SymInts), so torchair updates them instead of baking them in.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dcp_compile.lowering.npu import require_torch_npu
+from dcp_compile.runtime.devices import require_torch_npu
 
 TORCHAIR_MODES = ("reduce-overhead", "npugraph_ex")
 

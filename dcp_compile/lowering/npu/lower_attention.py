@@ -37,10 +37,9 @@ from dcp_compile.lowering import paged
 from dcp_compile.lowering.npu import ensure_ops
 from dcp_compile.ops import targets
 from dcp_compile.passes import sites
-from dcp_compile.passes.base import GraphPass, PassConfig
+from dcp_compile.passes.base import PassConfig
 from dcp_compile.passes.graph_utils import call, fake_value
 from dcp_compile.runtime import layout
-from dcp_compile.runtime.host_metadata import block_table_width
 
 aten = torch.ops.aten
 FIA_HEAD_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)  # docs/ascend.md §4.2
@@ -76,42 +75,27 @@ def padded_heads(heads: int) -> int:
     )
 
 
-class LowerNPUAttention(GraphPass):
+class LowerNPUAttention(paged.PagedAttentionPass):
     name = "lower_npu_attention"
+    reader = "FIA (docs/ascend.md §4.3)"
 
-    def applies(self, config: PassConfig) -> bool:
-        return config.attention_strategy == "gather-q"
-
-    def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
+    def prepare(self, gm: fx.GraphModule) -> None:
         ensure_ops()
-        graph = gm.graph
-        attention = sites.find_pool_attention(graph, config.dcp_size)
-        merges = [n for n in graph.nodes if n.op == "call_function" and n.target is targets.MERGE_PARTIALS]
-        if not attention and not merges:
-            return 0
-        block_size = fia_block_size(config.page_size, config.dcp_size, config.interleave)
-        host: paged.HostPlaceholders | None = None
-        checked_table: fx.Node | None = None
-        views: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
-        for site in attention:
-            tokens = fake_value(site.q_latent).shape[0]
-            rows, width = fake_value(site.req_to_token).shape
-            if host is None:
-                host = paged.HostPlaceholders(graph, rows, tokens, block_table_width(width, config.page_size),
-                                              fake_value(site.cache).device)
+        self._views: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
 
-            def kernel(graph, site, q_latent, q_rope, decode):
-                nonlocal checked_table
-                if checked_table is None:
-                    checked_table = paged.checked_block_table(graph, host, site, config, block_size, decode)
-                if site.cache not in views:
-                    views[site.cache] = self._paged_views(graph, site, block_size)
-                return self._fia(graph, site, q_latent, q_rope, host, checked_table, views[site.cache], block_size, decode)
+    def block_size(self, config: PassConfig) -> int:
+        return fia_block_size(config.page_size, config.dcp_size, config.interleave)
 
-            paged.lower_pool_attention(graph, site, kernel, split=True, reader="FIA (docs/ascend.md §4.3)")
+    def kernel(self, graph, site, q_latent, q_rope, decode, host, block_table, block_size):
+        if site.cache not in self._views:
+            self._views[site.cache] = self._paged_views(graph, site, block_size)
+        return self._fia(graph, site, q_latent, q_rope, host, block_table, self._views[site.cache], block_size, decode)
+
+    def finish(self, gm: fx.GraphModule, config: PassConfig) -> int:
+        merges = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is targets.MERGE_PARTIALS]
         for node in merges:
-            self._lower_merge(graph, node)
-        return len(attention) + len(merges)
+            self._lower_merge(gm.graph, node)
+        return len(merges)
 
     @staticmethod
     def _paged_views(graph, site: sites.PoolAttention, block_size: int) -> tuple[fx.Node, fx.Node]:

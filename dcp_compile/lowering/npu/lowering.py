@@ -10,7 +10,7 @@ import torch.fx as fx
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.lowering.npu.feed import FIAFeed
 from dcp_compile.lowering.npu.lower_attention import MAX_UPDATE_SHARDS, LowerNPUAttention, fia_block_size, padded_heads
-from dcp_compile.lowering.paged import WINDOW
+from dcp_compile.ops.targets import WINDOW_QUERIES
 from dcp_compile.lowering.triton.lower_kernels import LowerKernels
 from dcp_compile.runtime.devices import require_torch_npu
 from dcp_compile.runtime.host_inputs import host_placeholders
@@ -19,7 +19,7 @@ from dcp_compile.runtime.host_inputs import host_placeholders
 class NPULowering(Lowering):
     name = "npu"
     description = "Ascend FIA + npu_attention_update (torch_npu; CPU stand-ins without it), Triton for the rest"
-    window = WINDOW
+    window = WINDOW_QUERIES
     plans_on_host = True
     model_dims = (512, 64)  # FIA's MLA path (docs/ascend.md §4.1)
     dtypes = (torch.bfloat16, torch.float16)  # docs/ascend.md §4.6

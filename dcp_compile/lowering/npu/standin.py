@@ -1,24 +1,24 @@
 """CPU stand-ins for the Ascend ops that the NPU lowering emits.
 
-This is not Ascend code. `torch_npu` cannot be installed without the Ascend CANN toolkit
-(ASCEND.md §7.1), so `register()` defines the ops our NPU lowering calls under the `npu`
-namespace, with the exact schemas that torch_npu registers, CPU kernels implementing the
+This is not Ascend code. `torch_npu` cannot be imported without the Ascend CANN libraries, and
+installed without them it breaks `import torch` (docs/ascend.md §12.1, §12.2), so `register()`
+defines the ops our NPU lowering calls under the `npu` namespace, with the exact schemas that torch_npu registers, CPU kernels implementing the
 documented semantics and limits, and fake kernels for tracing. Lowered graphs then run and are
 tested on CPU. When torch_npu is present, nothing is registered and the real ops are used.
 
-Ops (sources in /work/shared/ASCEND.md):
+Ops (their facts and sources: docs/ascend.md):
 - `npu_fused_infer_attention_score` (FIA v1), its `.out` overload and
-  `_npu_fused_infer_attention_score_get_max_workspace`: schemas of §1.1. Only the MLA path that
-  DCP decode uses is implemented (query_rope/key_rope, paged latent cache, §1.4-§1.7); documented
+  `_npu_fused_infer_attention_score_get_max_workspace`: schemas of §1.1, §1.2. Only the MLA path that
+  DCP decode uses is implemented (query_rope/key_rope, paged latent cache, §3-§6); documented
   inputs outside it raise ValueError, documented inputs that the stand-in does not implement raise
   NotImplementedError.
-- `npu_attention_update`: the LSE merge of §2.
+- `npu_attention_update`: the LSE merge of §8.
 
 Kernel behaviours that callers rely on and that the stand-ins reproduce:
-- softmax_lse is the natural-log logsumexp of the scaled scores, fp32 (§1.2).
-- A request with actual_seq_lengths_kv == 0 gets attention_out 0 and softmax_lse +inf
-  (CANN >= 8.5 MLA kernel, §1.8), and npu_attention_update reads an lse of +inf as -inf (§1.8).
-- A row whose every lse is -inf merges to NaN, as the kernel's arithmetic gives (§1.8).
+- softmax_lse is the natural-log logsumexp of the scaled scores, fp32 (§2.3; fp32: §2.2).
+- A request with actual_seq_lengths_kv == 0 gets attention_out 0 and softmax_lse +inf (inferred
+  for CANN >= 8.5's MLA kernel, §7.2), and npu_attention_update reads an lse of +inf as -inf (§7.3).
+- A row whose every lse is -inf merges to NaN, as the kernel's arithmetic gives (§7.4).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ _FIA_ARGUMENTS = (
     "int antiquant_mode=0, int key_antiquant_mode=0, int value_antiquant_mode=0, "
     "bool softmax_lse_flag=False"
 )
-# The op-plugin yaml lines of ASCEND.md §1.1 and §2, not the torch_npu docstrings (whose
+# The op-plugin yaml lines of docs/ascend.md §1.1 and §8.1, not the torch_npu docstrings (whose
 # argument order differs).
 FIA_SCHEMA = f"npu_fused_infer_attention_score({_FIA_ARGUMENTS}) -> (Tensor, Tensor)"
 FIA_OUT_SCHEMA = (
@@ -117,7 +117,7 @@ MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 DEFAULT_PRE_NEXT_TOKENS = 2147483647
 
-# §1.4: not supported with MLA. Each is a Tensor? (or SymInt[]?) defaulting to None.
+# §4.7: not supported with MLA. Each is a Tensor? (or SymInt[]?) defaulting to None.
 _MLA_UNSUPPORTED_ARGUMENTS = (
     "pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
     "quant_offset2", "antiquant_scale", "antiquant_offset", "key_antiquant_scale",
@@ -206,7 +206,7 @@ def validate_fia(args: FiaArgs) -> FiaPlan:
 
 
 def _check_dtypes(args: FiaArgs) -> None:
-    # §1.9: fp16/bf16 query; MLA without quantisation needs one dtype for q/k/v and the ropes.
+    # §4.6: fp16/bf16 query; MLA without quantisation needs one dtype for q/k/v and the ropes.
     if args.query.dtype not in ATTENTION_DTYPES:
         raise ValueError(f"query dtype {args.query.dtype} is not supported; allowed: float16, bfloat16")
     for name in ("key", "value", "query_rope", "key_rope"):
@@ -228,7 +228,7 @@ def _check_contiguous_query(args: FiaArgs) -> None:
 
 
 def _check_mla_head_dims(args: FiaArgs) -> None:
-    # §1.4
+    # §4.1
     if (args.query_rope is None) != (args.key_rope is None):
         given, missing = ("query_rope", "key_rope") if args.key_rope is None else ("key_rope", "query_rope")
         raise ValueError(f"{given} given without {missing}; pass both (MLA) or neither")
@@ -246,7 +246,7 @@ def _check_mla_head_dims(args: FiaArgs) -> None:
 
 
 def _check_layout(args: FiaArgs) -> None:
-    # §1.3
+    # §3.1, §3.2
     layout = args.input_layout
     if layout not in MLA_LAYOUTS:
         raise ValueError(f"input_layout {layout!r} is not allowed with MLA; allowed: {MLA_LAYOUTS}")
@@ -276,7 +276,7 @@ def _head_axis(layout: str) -> int:
 
 
 def _check_num_heads(args: FiaArgs) -> None:
-    # §1.4: the gathered DCP head count must be one of these too.
+    # §4.2: the gathered DCP head count must be one of these too.
     if args.num_heads not in MLA_HEAD_COUNTS:
         raise ValueError(f"num_heads is {args.num_heads}; MLA allows {MLA_HEAD_COUNTS}")
     query_heads = args.query.shape[_head_axis(args.input_layout)]
@@ -306,7 +306,7 @@ def _query_counts(args: FiaArgs) -> list[int]:
 
 
 def _tnd_query_counts(actual_seq_lengths, total_tokens: int) -> list[int]:
-    # §1.6: cumulative for TND.
+    # §5.3: cumulative for TND.
     if actual_seq_lengths is None:
         raise ValueError("input_layout TND requires actual_seq_lengths (cumulative query counts)")
     cumulative = list(actual_seq_lengths)
@@ -323,7 +323,7 @@ def _tnd_query_counts(actual_seq_lengths, total_tokens: int) -> list[int]:
 
 
 def _check_no_query_padding(actual_seq_lengths, query_len: int, batch: int) -> None:
-    # §1.6: ignored when S == 1; for S > 1 a shorter length means padded queries.
+    # §5.3: ignored when S == 1; for S > 1 a shorter length means padded queries.
     if actual_seq_lengths is None or query_len == 1:
         return
     used = _per_request(actual_seq_lengths, batch, "actual_seq_lengths")
@@ -335,7 +335,7 @@ def _check_no_query_padding(actual_seq_lengths, query_len: int, batch: int) -> N
 
 
 def _per_request(lengths, batch: int, name: str) -> list[int]:
-    """§1.6: one length per request, or a single length broadcast; extra entries are unused."""
+    """§5.3: one length per request, or a single length broadcast; extra entries are unused."""
     lengths = list(lengths)
     if len(lengths) == 1:
         return lengths * batch
@@ -345,7 +345,7 @@ def _per_request(lengths, batch: int, name: str) -> list[int]:
 
 
 def _check_paged_cache(args: FiaArgs, batch: int) -> None:
-    # §1.4, §1.5: PageAttention is mandatory for MLA D=512.
+    # §4.5, §5.1: PageAttention is mandatory for MLA D=512.
     block_table = args.block_table
     if block_table is None:
         if args.query.shape[-1] == MLA_LATENT_DIM:
@@ -378,7 +378,7 @@ def _check_paged_cache(args: FiaArgs, batch: int) -> None:
 
 
 def _check_cache_view(name: str, cache: torch.Tensor, block_size: int, head_dim: int) -> None:
-    # §1.4: [num_blocks, block_size, D] or [num_blocks, KV_N=1, block_size, D].
+    # §11.3: [num_blocks, block_size, D] or [num_blocks, KV_N=1, block_size, D].
     shape = tuple(cache.shape)
     valid = (cache.dim() == 3 and shape[1:] == (block_size, head_dim)) or (
         cache.dim() == 4 and shape[1:] == (1, block_size, head_dim)
@@ -391,7 +391,7 @@ def _check_cache_view(name: str, cache: torch.Tensor, block_size: int, head_dim:
 
 
 def _kv_lens(args: FiaArgs, batch: int) -> list[int]:
-    # §1.5, §1.6: per request, never cumulative (also TND with D=512 and PageAttention).
+    # §5.1, §5.3: per request, never cumulative (also TND with D=512 and PageAttention).
     if args.actual_seq_lengths_kv is None:
         raise ValueError("actual_seq_lengths_kv is required with a block_table (PageAttention)")
     kv_lens = _per_request(args.actual_seq_lengths_kv, batch, "actual_seq_lengths_kv")
@@ -406,7 +406,7 @@ def _kv_lens(args: FiaArgs, batch: int) -> list[int]:
 
 
 def _check_sparse_mode(args: FiaArgs, query_counts: list[int], kv_lens: list[int]) -> None:
-    # §1.4, §1.7
+    # §4.4, §6.1-§6.3
     mode = args.sparse_mode
     if mode not in MLA_SPARSE_MODES:
         raise ValueError(f"sparse_mode is {mode}; MLA allows {MLA_SPARSE_MODES}")
@@ -436,7 +436,7 @@ def _check_full_mask(args: FiaArgs, query_counts: list[int], kv_lens: list[int])
     batch, query_len = len(query_counts), query_counts[0] if query_counts else 0
     mask_width = shape[-1]
     allowed_leading = {(batch, 1, query_len), (1, query_len), (1, 1, query_len)}
-    # CANN rejects a zero-width mask, even when every request is empty (§1.7).
+    # CANN rejects a zero-width mask, even when every request is empty (§6.3).
     longest_kv = max(kv_lens, default=0)
     if shape[:-1] not in allowed_leading or mask_width < max(1, longest_kv):
         raise ValueError(
@@ -448,14 +448,14 @@ def _check_full_mask(args: FiaArgs, query_counts: list[int], kv_lens: list[int])
 def _check_other_options(args: FiaArgs) -> None:
     if args.inner_precise not in (0, 1):
         raise ValueError(f"inner_precise is {args.inner_precise}; MLA allows 0 or 1")
-    # §1.7 documents pre_tokens/next_tokens as ignored in modes 1-3 only.
+    # §6.2 documents pre_tokens/next_tokens as ignored in modes 1-3 only.
     windowed = args.pre_tokens != DEFAULT_PRE_NEXT_TOKENS or args.next_tokens != DEFAULT_PRE_NEXT_TOKENS
     if args.sparse_mode == 0 and windowed:
         raise NotImplementedError("pre_tokens/next_tokens windows are not implemented by the stand-in")
 
 
 def _softmax_lse_shape(args: FiaArgs) -> tuple[int, ...]:
-    # §1.2: (B, N, S, 1) or (T, N, 1) with the flag; the meta kernel's [0] without it.
+    # §2.2: (B, N, S, 1) or (T, N, 1) with the flag; the meta kernel's [0] without it.
     if not args.softmax_lse_flag:
         return (0,)
     query_shape = tuple(args.query.shape)
@@ -522,7 +522,7 @@ def _check_out_buffers(args: FiaArgs, plan: FiaPlan, attention_out, softmax_lse)
             f"attention_out is {tuple(attention_out.shape)} {attention_out.dtype}; expected "
             f"{plan.attention_out_shape} {args.query.dtype}"
         )
-    # §1.2: without the flag the docs say [1] and the meta kernel gives [0]; accept both.
+    # §2.2: without the flag the docs say [1] and the meta kernel gives [0]; accept both.
     allowed_lse_shapes = [plan.softmax_lse_shape] if args.softmax_lse_flag else [(0,), (1,)]
     if tuple(softmax_lse.shape) not in allowed_lse_shapes or softmax_lse.dtype != torch.float32:
         raise ValueError(
@@ -547,7 +547,7 @@ def _compute_fia(args: FiaArgs, plan: FiaPlan) -> tuple[torch.Tensor, torch.Tens
     latent_cache, rope_cache, value_cache = (
         _flat_blocks(cache) for cache in (args.key, args.key_rope, args.value)
     )
-    # A request with kv_len 0 keeps these: out 0 and lse +inf (CANN >= 8.5 MLA kernel, §1.8).
+    # A request with kv_len 0 keeps these: out 0 and lse +inf (inferred for CANN >= 8.5's MLA kernel, §7.2).
     out = query.new_zeros(*query.shape[:2], value_cache.shape[-1])
     lse = query.new_full(query.shape[:2], math.inf)
     first_query = 0
@@ -649,7 +649,7 @@ UPDATE_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def validate_attention_update(
     lse: Sequence[torch.Tensor], local_out: Sequence[torch.Tensor], update_type: int
 ) -> None:
-    """The limits of ASCEND.md §2 (op-plugin doc: at most 16 sources)."""
+    """The limits of docs/ascend.md §8.3 (op-plugin doc: at most 16 sources)."""
     if len(lse) != len(local_out) or not 1 <= len(lse) <= MAX_UPDATE_SOURCES:
         raise ValueError(
             f"lse and local_out have {len(lse)} and {len(local_out)} entries; they need the same "
@@ -693,9 +693,9 @@ def _check_update_source(index, source_lse, source_out, rows, out_dtype) -> None
 def _attention_update_cpu(lse, local_out, update_type):
     validate_attention_update(lse, local_out, update_type)
     lses = torch.stack(lse).float()
-    # An empty FIA shard reports +inf; the kernel reads it as -inf so it gets no weight (§1.8).
+    # An empty FIA shard reports +inf; the kernel reads it as -inf so it gets no weight (§7.3).
     lses = lses.masked_fill(lses == math.inf, -math.inf)
-    # No guard for rows where every lse is -inf: like the kernel, they come out NaN (§1.8).
+    # No guard for rows where every lse is -inf: like the kernel, they come out NaN (§7.4).
     lse_max = lses.max(dim=0).values
     merged_lse = lse_max + torch.log(torch.exp(lses - lse_max).sum(dim=0))
     weights = torch.exp(lses - merged_lse).unsqueeze(-1)

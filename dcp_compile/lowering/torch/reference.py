@@ -290,7 +290,7 @@ def split_partials(packed, kv_lora_rank: int):
     """The exchanged [N, T, H, R + w] buffer as the inputs of Ascend's npu_attention_update:
     outs [N, T*H, R] and fp32 lses [N, T*H].
 
-    npu_attention_update is undefined (NaN) where every shard is empty (ASCEND.md §1.8): there
+    npu_attention_update is undefined (NaN) where every shard is empty (docs/ascend.md §7.4): there
     shard 0's LSE is set to 0, so that row's result is shard 0's output, which pack_partials
     zeroed for an empty shard.
     """
