@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 
 import torch
 
@@ -17,15 +18,33 @@ NPU_INSTALL_HINT = (
 )
 
 
+EMULATOR_ENV = "DCP_COMPILE_NPU_EMULATOR"
+"""Set to 1 for the emulated NPU device (dcp_compile/testing/npu_emulator) where torch_npu is absent."""
+
+
 def torch_npu_installed() -> bool:
     return importlib.util.find_spec("torch_npu") is not None
 
 
 def require_torch_npu(what: str) -> None:
-    """Raise a clear error if `what` (an NPU device, HCCL, torchair) needs torch_npu and it is absent."""
-    if not torch_npu_installed():
-        raise RuntimeError(f"{what} needs torch_npu, which is not installed: {NPU_INSTALL_HINT}")
-    importlib.import_module("torch_npu")
+    """Make `torch.npu` and the `npu` device available for `what` (an NPU device, HCCL, NPU
+    graphs): torch_npu, or, with DCP_COMPILE_NPU_EMULATOR=1 and no torch_npu, the emulated
+    device. This is the one place that knows which; a clear error if neither is there."""
+    if torch_npu_installed():
+        importlib.import_module("torch_npu")
+        return
+    if os.environ.get(EMULATOR_ENV) == "1":
+        from dcp_compile.testing import npu_emulator
+
+        npu_emulator.install()
+        return
+    raise RuntimeError(f"{what} needs torch_npu, which is not installed: {NPU_INSTALL_HINT} (or set "
+                       f"{EMULATOR_ENV}=1 for the emulated device of dcp_compile/testing)")
+
+
+def npu_available() -> bool:
+    """Whether an `npu` device can be had here (torch_npu, or the emulator switched on)."""
+    return torch_npu_installed() or os.environ.get(EMULATOR_ENV) == "1"
 
 
 def capturing(device: torch.device) -> bool:

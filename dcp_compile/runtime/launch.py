@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dcp_compile.runtime.devices import require_torch_npu
+
 PR_SET_PDEATHSIG = 1
 """prctl option (linux/prctl.h): the signal this process gets when its parent dies."""
 PARENT_POLL_S = 0.5
@@ -52,8 +54,6 @@ def free_port() -> int:
 def check_backend(backend: str) -> None:
     """HCCL (Ascend) needs torch_npu; say how to get it rather than fail inside the ranks."""
     if backend == "hccl":
-        from dcp_compile.runtime.devices import require_torch_npu
-
         require_torch_npu("the HCCL backend")
 
 
@@ -98,6 +98,7 @@ def _worker(rank: int, world_size: int, parent_pid: int, port: int, backend: str
     if backend == "nccl":
         torch.cuda.set_device(rank)
     if backend == "hccl":
+        require_torch_npu("the HCCL backend")
         torch.npu.set_device(rank)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=check_timeout(timeout))

@@ -17,7 +17,8 @@ __all__ = ["NPU_INSTALL_HINT", "ensure_ops", "require_torch_npu", "torch_npu_ins
 
 
 def ensure_ops() -> str:
-    """Make torch.ops.npu.* available: torch_npu's where installed, else the CPU stand-ins.
+    """Make torch.ops.npu.* available: torch_npu's where installed, else the stand-ins (whose kernels
+    run on the npu device: the emulated one where torch_npu is absent).
     Returns which one ('torch_npu' or 'standin')."""
     if torch_npu_installed():
         importlib.import_module("torch_npu")

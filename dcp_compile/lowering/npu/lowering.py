@@ -25,9 +25,17 @@ class NPULowering(Lowering):
     dtypes = (torch.bfloat16, torch.float16)  # docs/ascend.md §4.6
     baseline = "npu"  # the stand-in's bf16 FIA rounds unlike the reference: compare FIA with FIA
 
+    def unsupported_reason(self, pool, config) -> str | None:
+        if pool.device.type not in ("npu", "meta"):
+            return (f"its kernels run on an npu device (torch_npu, or the emulated one: DCP_COMPILE_NPU_EMULATOR=1), "
+                    f"and the KV pool is on {pool.device}")
+        return super().unsupported_reason(pool, config)
+
     def check(self, model, pool, config) -> None:
         if pool.device.type == "npu":
             require_torch_npu("a KV pool on an NPU")
+        elif pool.device.type != "meta":
+            raise RuntimeError(f"kernels='npu': {self.unsupported_reason(pool, config)}")
         if pool.dtype not in self.dtypes:
             raise TypeError(f"kernels='npu' needs a bf16 or fp16 KV cache (FIA's query and KV dtypes, docs/ascend.md "
                             f"§4.6), got {pool.dtype}")

@@ -1,10 +1,13 @@
-"""CPU stand-ins for the Ascend ops that the NPU lowering emits.
+"""Stand-ins for the Ascend ops that the NPU lowering emits, for the emulated NPU device.
 
 This is not Ascend code. `torch_npu` cannot be imported without the Ascend CANN libraries, and
 installed without them it breaks `import torch` (docs/ascend.md §12.1, §12.2), so `register()`
-defines the ops our NPU lowering calls under the `npu` namespace, with the exact schemas that torch_npu registers, CPU kernels implementing the
-documented semantics and limits, and fake kernels for tracing. Lowered graphs then run and are
-tested on CPU. When torch_npu is present, nothing is registered and the real ops are used.
+defines the ops our NPU lowering calls under the `npu` namespace, with the exact schemas that
+torch_npu registers, kernels for the npu device implementing the documented semantics and
+limits (torch code: on the emulated device it runs on the host), and fake kernels for tracing.
+Lowered graphs then run and are tested on the emulated device
+(dcp_compile/testing/npu_emulator). When torch_npu is present, nothing is registered and the
+real ops are used.
 
 Ops (their facts and sources: docs/ascend.md):
 - `npu_fused_infer_attention_score` (FIA v1), its `.out` overload and
@@ -67,6 +70,9 @@ def register() -> bool:
 
     Returns False, registering nothing, when torch_npu is installed: its ops are the real ones.
     torch_npu is not imported here, so that merely checking never initialises an NPU runtime.
+    Their kernels are registered for the npu device only (PrivateUse1), as torch_npu's are: they
+    run on the emulated device (dcp_compile/testing/npu_emulator), and a call with tensors of
+    another device fails as it would with torch_npu.
     """
     global _library
     if importlib.util.find_spec("torch_npu") is not None:
@@ -84,15 +90,15 @@ def is_standin() -> bool:
 def _define_ops() -> torch.library.Library:
     library = torch.library.Library("npu", "DEF")
     kernels = {
-        FIA_SCHEMA: (_fia_cpu, _fia_fake),
-        FIA_OUT_SCHEMA: (_fia_out_cpu, _fia_out_fake),
+        FIA_SCHEMA: (_fia_kernel, _fia_fake),
+        FIA_OUT_SCHEMA: (_fia_out_kernel, _fia_out_fake),
         FIA_WORKSPACE_SCHEMA: (_fia_workspace, _fia_workspace),
-        ATTENTION_UPDATE_SCHEMA: (_attention_update_cpu, _attention_update_fake),
+        ATTENTION_UPDATE_SCHEMA: (_attention_update_kernel, _attention_update_fake),
     }
-    for schema, (cpu_kernel, fake_kernel) in kernels.items():
+    for schema, (kernel, fake_kernel) in kernels.items():
         library.define(schema)
         name = schema.split("(", 1)[0]
-        library.impl(name, cpu_kernel, "CPU")
+        library.impl(name, kernel, "PrivateUse1")
         # register_fake also installs the Meta kernel.
         torch.library.register_fake(f"npu::{name}", fake_kernel, lib=library)
     return library
@@ -470,7 +476,7 @@ def _softmax_lse_shape(args: FiaArgs) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _fia_cpu(query, key, value, **keyword_args):
+def _fia_kernel(query, key, value, **keyword_args):
     args = bind_fia_args(query, key, value, keyword_args)
     plan = validate_fia(args)
     return _compute_fia(args, plan)
@@ -497,7 +503,7 @@ def _fia_fake(query, key, value, **keyword_args):
     )
 
 
-def _fia_out_cpu(query, key, value, *, attention_out, softmax_lse, workspace=None, **keyword_args):
+def _fia_out_kernel(query, key, value, *, attention_out, softmax_lse, workspace=None, **keyword_args):
     args = bind_fia_args(query, key, value, keyword_args)
     plan = validate_fia(args)
     _check_out_buffers(args, plan, attention_out, softmax_lse)
@@ -563,7 +569,7 @@ def _compute_fia(args: FiaArgs, plan: FiaPlan) -> tuple[torch.Tensor, torch.Tens
             latent_cache[rows].float(),
             rope_cache[rows].float(),
             value_cache[rows].float(),
-            _visible_keys(args, request, query_count, kv_len),
+            _visible_keys(args, request, query_count, kv_len).to(query.device),
             args.scale,
         )
     attention_out = _from_token_major(out, layout, args.query.shape)
@@ -601,7 +607,7 @@ def _flat_blocks(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _cache_rows(block_table_row: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
-    positions = torch.arange(kv_len)
+    positions = torch.arange(kv_len, device=block_table_row.device)
     blocks = block_table_row[positions // block_size].long()
     return blocks * block_size + positions % block_size
 
@@ -690,7 +696,7 @@ def _check_update_source(index, source_lse, source_out, rows, out_dtype) -> None
         )
 
 
-def _attention_update_cpu(lse, local_out, update_type):
+def _attention_update_kernel(lse, local_out, update_type):
     validate_attention_update(lse, local_out, update_type)
     lses = torch.stack(lse).float()
     # An empty FIA shard reports +inf; the kernel reads it as -inf so it gets no weight (§7.3).

@@ -41,7 +41,8 @@ def _define(library: torch.library.Library, name: str) -> None:
         # Under a fake mode the dcp:: op dispatches to its own fake implementation.
         return getattr(torch.ops.dcp, name).default(*args)
 
-    for device in ("CUDA", "CPU"):
+    # The npu device (PrivateUse1) too: on Ascend, the same kernels run under triton-ascend.
+    for device in ("CUDA", "CPU", "PrivateUse1"):
         library.impl(name, kernel, device)
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=library)
 

@@ -13,6 +13,7 @@
 // - Hooks: pinned host memory (a set of pinned blocks, so that a capture can tell pageable
 //   copies from pinned ones).
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/CPUFallback.h>
@@ -109,6 +110,9 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   }
   c10::Allocator* getPinnedMemoryAllocator() const override { return &pinned_allocator; }
   at::Device getDeviceFromPtr(void*) const override { return at::Device(kNPU, current_device); }
+  // Random numbers come from the host generator (the CPU kernels draw them).
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex) const override { return at::detail::getDefaultCPUGenerator(); }
+  at::Generator getNewGenerator(c10::DeviceIndex) const override { return at::detail::createCPUGenerator(); }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
     auto old = storage.unsafeGetStorageImpl();
     auto data = device_allocator.allocate(newsize);
@@ -364,6 +368,14 @@ at::Tensor host_view(const at::Tensor& tensor) {
 
 void set_device_count(int64_t count) { device_count.store(static_cast<int>(count)); }
 
+void set_device(int64_t index) {
+  TORCH_CHECK(0 <= index && index < device_count.load(), "npu device ", index, " is out of range (",
+              device_count.load(), " devices)");
+  current_device = static_cast<c10::DeviceIndex>(index);
+}
+
+int64_t get_device() { return current_device; }
+
 bool is_pinned_host(const at::Tensor& tensor) {
   std::lock_guard<std::mutex> lock(pinned_mutex);
   return pinned_blocks.count(tensor.storage().data()) > 0;
@@ -373,6 +385,8 @@ TORCH_LIBRARY(dcp_npu_emulator, m) {
   m.def("host_view(Tensor(a) self) -> Tensor(a)");
   m.impl("host_view", c10::DispatchKey::PrivateUse1, TORCH_FN(host_view));
   m.def("set_device_count(int count) -> ()", TORCH_FN(set_device_count));
+  m.def("set_device(int index) -> ()", TORCH_FN(set_device));
+  m.def("get_device() -> int", TORCH_FN(get_device));
   m.def("is_pinned_host(Tensor self) -> bool");
   m.impl("is_pinned_host", c10::DispatchKey::CPU, TORCH_FN(is_pinned_host));
 }

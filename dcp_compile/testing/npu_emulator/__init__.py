@@ -1,0 +1,75 @@
+"""An emulated Ascend NPU for machines without one (CI, this project's CPU machines).
+
+`DCP_COMPILE_NPU_EMULATOR=1` makes `dcp_compile.runtime.devices.require_torch_npu` install this
+instead of importing torch_npu; nothing else in the project knows the device is emulated.
+`install()` gives:
+
+- a device of type `npu`: PyTorch's PrivateUse1 key, renamed, from a small C++ extension
+  (device.cpp) built once per virtualenv: an allocator of host memory, a device guard, copies
+  to and from the host, pinned host memory; aten ops run their CPU kernels on the same bytes,
+  and an op of another namespace without an npu kernel fails as on a device without one;
+- `torch.npu` (module.py): devices, streams, events, synchronize, and NPU graphs (graphs.py):
+  capture records the device work and runs none of it, replay runs exactly that with the host
+  values of the capture, `update(cpu_update_input=...)` rewrites FIA's host lengths by argument
+  name, and a pageable host-to-device copy or any device-to-host read during a capture is an
+  error, as on hardware;
+- an `hccl` process-group backend (hccl.py) that runs collectives through gloo on the host
+  views of npu tensors, functional collectives and collectives inside graphs included.
+
+What it does not model: speed, CANN's kernel numerics (the stand-ins of lowering/npu compute in
+fp32 on the host), HCCL on real links, and concurrency between streams (work runs when issued).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+ENV = "DCP_COMPILE_NPU_EMULATOR"
+DEVICE_COUNT = 8
+_SOURCE = Path(__file__).with_name("device.cpp")
+_installed = threading.Lock()
+_done = False
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def build_directory() -> Path:
+    """Where the extension is built and cached: inside the virtualenv (one build per env)."""
+    return Path(os.environ.get("DCP_COMPILE_NPU_EMULATOR_BUILD", Path(sys.prefix) / "dcp_compile_npu_emulator"))
+
+
+def _load_extension() -> None:
+    from torch.utils import cpp_extension
+
+    folder = build_directory()
+    folder.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name="dcp_npu_emulator", sources=[str(_SOURCE)], build_directory=str(folder),
+                       is_python_module=False, extra_cflags=["-O1"], verbose=False)
+
+
+def install(device_count: int = DEVICE_COUNT) -> None:
+    """Make the emulated `npu` device, `torch.npu` and the `hccl` backend available (idempotent)."""
+    global _done
+    with _installed:
+        if _done:
+            return
+        import importlib.util
+
+        if importlib.util.find_spec("torch_npu") is not None:
+            raise RuntimeError("torch_npu is installed: the NPU emulator stands in for it only where it is absent")
+        _load_extension()
+        torch.ops.dcp_npu_emulator.set_device_count(device_count)
+        torch.utils.rename_privateuse1_backend("npu")
+        from dcp_compile.testing.npu_emulator import hccl, module
+
+        torch._register_device_module("npu", module)
+        torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+        hccl.register()
+        _done = True

@@ -1,0 +1,111 @@
+"""An `hccl` process-group backend for the emulated device: collectives of npu tensors (and of
+CPU tensors) run through a gloo process group on their host views: the same bytes, no copy.
+Functional collectives (`_c10d_functional.*`, what the DCP graphs call) reach it through the
+process group's methods; so do collectives replayed from an NPU graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
+                                        BroadcastOptions, ProcessGroupGloo, ReduceScatterOptions,
+                                        _create_work_from_future)
+from torch.futures import Future
+
+NAME = "hccl"
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type == "npu":
+        return torch.ops.dcp_npu_emulator.host_view(tensor)
+    return tensor
+
+
+def _hosts(tensors):
+    return [_host(t) for t in tensors]
+
+
+def _done(result) -> object:
+    future = Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
+
+
+class EmulatedHCCL(dist.ProcessGroup):
+    """The process group itself (torch takes a Python ProcessGroup a backend creator returns as
+    the group): every collective waits on gloo's, on host views."""
+
+    def __init__(self, store, rank: int, size: int, timeout):
+        super().__init__(rank, size)
+        self._gloo = ProcessGroupGloo(store, rank, size, timeout)
+        self._rank, self._size = rank, size
+
+    def _run(self, work, result):
+        work.wait()
+        return _done(result)
+
+    def size(self) -> int:
+        return self._size
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    @property
+    def group_name(self) -> str:
+        return dist.distributed_c10d._world.pg_names[self]
+
+    def allreduce(self, tensors, opts=AllreduceOptions()):
+        return self._run(self._gloo.allreduce(_hosts(tensors), opts), tensors)
+
+    def allreduce_coalesced(self, tensors, opts=AllreduceOptions()):
+        return self.allreduce(tensors, opts)
+
+    def allgather(self, output_tensors, input_tensors, opts=AllgatherOptions()):
+        outputs = [_hosts(group) for group in output_tensors]
+        return self._run(self._gloo.allgather(outputs, _hosts(input_tensors), opts), output_tensors)
+
+    def _allgather_base(self, output, input, opts=AllgatherOptions()):
+        return self._run(self._gloo._allgather_base(_host(output), _host(input), opts), output)
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=AllgatherOptions()):
+        for output, input in zip(outputs, inputs):
+            self._gloo._allgather_base(_host(output), _host(input), opts).wait()
+        return _done(outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def alltoall_base(self, output, input, output_splits, input_splits, opts=AllToAllOptions()):
+        return self._run(self._gloo.alltoall_base(_host(output), _host(input), output_splits, input_splits, opts), output)
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts=AllToAllOptions()):
+        return self.alltoall_base(output, input, output_splits, input_splits, opts)
+
+    def alltoall(self, output_tensors, input_tensors, opts=AllToAllOptions()):
+        return self._run(self._gloo.alltoall(_hosts(output_tensors), _hosts(input_tensors), opts), output_tensors)
+
+    def broadcast(self, tensors, opts=BroadcastOptions()):
+        return self._run(self._gloo.broadcast(_hosts(tensors), opts), tensors)
+
+    def barrier(self, opts=BarrierOptions()):
+        return self._run(self._gloo.barrier(opts), [])
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=ReduceScatterOptions()):
+        inputs = [_hosts(group) for group in input_tensors]
+        return self._run(self._gloo.reduce_scatter(_hosts(output_tensors), inputs, opts), output_tensors)
+
+    def _reduce_scatter_base(self, output, input, opts=ReduceScatterOptions()):
+        return self._run(self._gloo._reduce_scatter_base(_host(output), _host(input), opts), output)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+
+def _create(store, rank: int, size: int, timeout) -> EmulatedHCCL:
+    return EmulatedHCCL(store, rank, size, timeout)
+
+
+def register() -> None:
+    if NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(NAME, _create, devices=["npu", "cpu"])

@@ -1,0 +1,183 @@
+"""`torch.npu` of the emulated device: the part of torch_npu's module the project and torch use.
+
+Work runs when it is issued, so streams are orderings without concurrency, with one exception
+that matters to graph runners: a graph replay stays in flight (graphs.py) until the host waits
+for it (`synchronize()`, a stream's `synchronize()`, or an event recorded after it), so that
+updating a graph's host values under an unfinished replay is caught, as it would race on
+hardware.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+
+from dcp_compile.testing.npu_emulator.graphs import NPUGraph, graph, graph_pool_handle, in_flight, is_current_stream_capturing
+
+__all__ = ["Event", "NPUGraph", "Stream", "current_device", "current_stream", "default_stream", "device_count", "graph",
+           "graph_pool_handle", "is_available", "is_current_stream_capturing", "set_device", "stream", "synchronize"]
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _lazy_init() -> None:
+    pass
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    from dcp_compile.testing import npu_emulator
+
+    return npu_emulator.DEVICE_COUNT
+
+
+def current_device() -> int:
+    return int(torch.ops.dcp_npu_emulator.get_device())
+
+
+def set_device(device) -> None:
+    index = device.index if isinstance(device, torch.device) else int(device)
+    torch.ops.dcp_npu_emulator.set_device(index)
+
+
+class device:  # noqa: N801 - torch.cuda.device's name
+    def __init__(self, index):
+        self.index = index.index if isinstance(index, torch.device) else index
+
+    def __enter__(self):
+        self.previous = current_device()
+        if self.index is not None:
+            set_device(self.index)
+
+    def __exit__(self, *exc):
+        set_device(self.previous)
+
+
+def _index(device) -> int:
+    """A device index from None (the current device), an int, 'npu:1' or torch.device."""
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        return device
+    return torch.device(device).index or 0
+
+
+class Stream:
+    _ids = iter(range(1, 1 << 62))
+
+    def __init__(self, device=None, priority: int = 0):
+        self.device = torch.device("npu", _index(device))
+        self.stream_id = next(Stream._ids)
+
+    def wait_stream(self, stream: "Stream") -> None:
+        pass
+
+    def wait_event(self, event: "Event") -> None:
+        pass
+
+    def record_event(self, event: "Event | None" = None) -> "Event":
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        in_flight.complete(self)
+
+    def __eq__(self, other):
+        return isinstance(other, Stream) and other.stream_id == self.stream_id
+
+    def __hash__(self):
+        return hash(self.stream_id)
+
+
+_local = threading.local()
+_defaults: dict[int, Stream] = {}
+
+
+def default_stream(device=None) -> Stream:
+    index = _index(device)
+    if index not in _defaults:
+        _defaults[index] = Stream(index)
+    return _defaults[index]
+
+
+def current_stream(device=None) -> Stream:
+    index = _index(device)
+    return getattr(_local, "streams", {}).get(index) or default_stream(index)
+
+
+def set_stream(stream_: Stream) -> None:
+    if not hasattr(_local, "streams"):
+        _local.streams = {}
+    _local.streams[stream_.device.index] = stream_
+
+
+@contextlib.contextmanager
+def stream(stream_: Stream | None):
+    if stream_ is None:
+        yield
+        return
+    previous = current_stream(stream_.device)
+    set_stream(stream_)
+    try:
+        yield
+    finally:
+        set_stream(previous)
+
+
+def synchronize(device=None) -> None:
+    in_flight.complete(None)
+
+
+class Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.time: float | None = None
+        self._waits_for: list = []
+
+    def record(self, stream_: Stream | None = None) -> None:
+        self.time = time.perf_counter()
+        self._waits_for = in_flight.pending(stream_ or current_stream())
+
+    def query(self) -> bool:
+        in_flight.complete_these(self._waits_for)
+        return True
+
+    def synchronize(self) -> None:
+        in_flight.complete_these(self._waits_for)
+
+    def wait(self, stream_: Stream | None = None) -> None:
+        pass
+
+    def elapsed_time(self, end: "Event") -> float:
+        return (end.time - self.time) * 1e3
+
+
+def manual_seed(seed: int) -> None:
+    """Random ops on the emulated device draw from the host generator, which torch.manual_seed seeds."""
+
+
+def manual_seed_all(seed: int) -> None:
+    """As manual_seed."""
+
+
+def get_rng_state(device="npu") -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.uint8)
+
+
+def set_rng_state(state, device="npu") -> None:
+    pass
