@@ -180,13 +180,23 @@ class DCPModel(nn.Module):
         by a GraphRunner do not pass through the model: call this there from time to time)."""
         self._errors.raise_if_set(wait=True)
 
+    def decide(self, *args, host_metadata: HostMetadata | None = None, **kwargs) -> cost_model.Decision:
+        """The attention strategy a call with these arguments runs (what a graph runner captures)."""
+        if self._host is not None:
+            host_metadata = self._host.for_step(self.model, args, kwargs, host_metadata)
+        return self._decide(args, kwargs, host_metadata)
+
+    def _decide(self, args, kwargs, host_metadata) -> cost_model.Decision:
+        state = self.dcp_state
+        costs = state.config.dcp_size > 1 and state.config.attention_strategy == "auto"
+        facts = _batch_facts(self.model, args, kwargs, host_metadata, costs)
+        return strategy.decide(state.config, state.lowering, facts, self._model_facts)
+
     def _step(self, args, kwargs, host_metadata):
         state = self.dcp_state
         if self._host is not None:
             host_metadata = self._host.for_step(self.model, args, kwargs, host_metadata)
-        costs = state.config.dcp_size > 1 and state.config.attention_strategy == "auto"
-        facts = _batch_facts(self.model, args, kwargs, host_metadata, costs)
-        decision = strategy.decide(state.config, state.lowering, facts, self._model_facts)
+        decision = self._decide(args, kwargs, host_metadata)
         self._peers.check(args, kwargs, cost_model.STRATEGIES.index(decision.strategy))
         state.strategy_counts[decision.strategy] += 1
         state.last_decision = decision

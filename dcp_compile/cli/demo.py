@@ -104,6 +104,9 @@ def register(sub) -> None:
     p.add_argument("--prompt", default=None, metavar="TEXT",
                    help="every request's prompt, encoded with the checkpoint's tokenizer.json (needs the tokenizers "
                         "package); the generated tokens are decoded too")
+    p.add_argument("--graphs", action="store_true",
+                   help="replay every decode and verify step from captured device graphs (CUDA graphs, NPU graphs; "
+                        "needs --device cuda or npu)")
     p.add_argument("--json", action="store_true", help="end with one JSON summary line")
     p.set_defaults(handler=run)
 
@@ -122,7 +125,7 @@ def run(args) -> int:
         interleave=args.interleave, pad_rows=args.pad_rows, kernels=args.kernels, block_size=args.block_size,
         device=args.device, timeout=args.timeout,
         model=args.model, dtype=args.dtype,
-        checkpoint=args.checkpoint, prompt_ids=prompt_ids,
+        checkpoint=args.checkpoint, prompt_ids=prompt_ids, graphs=args.graphs,
     )
     if args.launch == "torchrun":
         result, rank = compare_torchrun(scenario)
@@ -134,7 +137,8 @@ def run(args) -> int:
         result["generated_text"] = [tokenizer.decode(ids) for ids in result["generated"]]
     console = Console(stderr=args.json)
     table = Table(title=f"dcp-compile demo: {scenario.model_name}, {scenario.mode}, DCP {scenario.dcp_size} x TP "
-                        f"{scenario.tp_size}, I={scenario.interleave}, kernels {scenario.kernels}, {scenario.dtype}")
+                        f"{scenario.tp_size}, I={scenario.interleave}, kernels {scenario.kernels}, {scenario.dtype}, "
+                        f"{result['device']}{' (emulated)' if result['emulated'] else ''}")
     table.add_column("check")
     table.add_column("value", justify="right")
     table.add_row("greedy tokens identical to dcp_size=1 (tokens_match)", "yes" if result["tokens_match"] else "NO")
@@ -150,7 +154,10 @@ def run(args) -> int:
     for name, sites in result["pass_summary"].items():
         if name != "verify":
             table.add_row(f"pass {name}: sites", str(sites))
-    table.add_row("graphs captured", str(result["graphs_captured"]))
+    table.add_row("graphs compiled (torch.compile)", str(result["graphs_captured"]))
+    if result["scenario"]["graphs"]:
+        table.add_row(f"steps replayed from {result['device']} graphs",
+                      f"{result['graph_replays']} ({result['device_graphs_captured']} graphs captured)")
     counts = ", ".join(f"{k} x{v}" for k, v in sorted(result["strategy_counts"].items()))
     table.add_row("attention strategy per batch", counts)
     table.add_row("last choice and why", result["last_strategy_reason"] or "-")

@@ -23,7 +23,8 @@ SUBCOMMANDS = ("demo", "dump")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dcp-compile", description="Decode context parallelism for MLA models")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="log passes (-v) or everything (-vv)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log passes (-v) or everything and an error's whole text, rank tracebacks included (-vv)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(f"dcp_compile.cli.{name}").register(sub)
@@ -40,16 +41,16 @@ def main(argv=None) -> int:
     try:
         return args.handler(args) or 0
     except RankDiedError as exc:
-        _report(args.command, exc, named=False)
+        _report(args.command, exc, named=False, whole=args.verbose > 1)
         return EXIT_RANK_DIED
     except CollectiveTimeoutError as exc:
-        _report(args.command, exc, named=False)
+        _report(args.command, exc, named=False, whole=args.verbose > 1)
         return EXIT_TIMEOUT
     except (ValueError, TypeError, RuntimeError, MemoryError) as exc:
-        _report(args.command, exc, named=False)
+        _report(args.command, exc, named=False, whole=args.verbose > 1)
         return EXIT_ERROR
     except Exception as exc:  # anything else is an error too, never a traceback that exits 1 (a mismatch)
-        _report(args.command, exc, named=True)
+        _report(args.command, exc, named=True, whole=args.verbose > 1)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
@@ -57,9 +58,12 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _report(command: str, exc: Exception, named: bool) -> None:
+def _report(command: str, exc: Exception, named: bool, whole: bool = False) -> None:
     """One line on stderr: the error's first line, after its type's name where that is not
-    already clear from the message (`named`), or where the message is empty."""
+    already clear from the message (`named`), or where the message is empty; all of it if `whole`."""
+    if whole:
+        print(f"dcp-compile {command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return
     lines = str(exc).strip().splitlines()
     message = lines[0] if lines else ""
     if named or not message:

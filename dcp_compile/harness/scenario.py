@@ -30,8 +30,10 @@ from dcp_compile.models.mla import MLAModel
 from dcp_compile.models.pretrained import load_pretrained
 from dcp_compile.models.safetensors_reader import SafetensorsReader
 from dcp_compile.runtime import layout, parallel
+from dcp_compile.ops.internal import WINDOW_QUERIES
 from dcp_compile.runtime.batch import RequestTable
-from dcp_compile.runtime.devices import require_torch_npu
+from dcp_compile.runtime.graph_runner import GraphRunner, device_graphs
+from dcp_compile.runtime.devices import emulated_npu, require_torch_npu
 from dcp_compile.runtime.kv_pool import PoolSpec
 from dcp_compile.runtime.launch import DEFAULT_TIMEOUT_S, check_timeout, spawn
 from dcp_compile.workload import DTYPES, MODES, Workload
@@ -75,6 +77,9 @@ class Scenario(Workload):
     and `num_heads` are then unused, and `layers` loads the first layers only."""
     prompt_ids: tuple[int, ...] | None = None
     """Every request's prompt (token ids); None: random prompts of the `contexts` lengths."""
+    graphs: bool = False
+    """Replay every decode and verify step from captured device graphs (GraphRunner: CUDA graphs,
+    NPU graphs); prefill and extend chunks run eagerly."""
 
     @property
     def device_type(self) -> str:
@@ -120,6 +125,8 @@ class Scenario(Workload):
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda needs a CUDA GPU, and torch finds none here "
                              "(torch.cuda.is_available() is False)")
+        if self.graphs and self.device == "cpu":
+            raise ValueError("--graphs replays device graphs: it needs --device cuda or npu")
         self._check_back_end()
 
     def _check_back_end(self) -> None:
@@ -234,12 +241,38 @@ class Driver:
         """This model's own greedy tokens (and the accepted drafts), for the same inputs."""
         self.graph_keys: set[tuple] = set()
         """Distinct (tokens, rows, page-table width, strategy) of the steps run: one graph each."""
+        self.runners: dict[str, GraphRunner] | None = {} if scenario.graphs else None
+        """Per strategy, the graph runner that replays this model's decode and verify steps."""
+        self.replays = 0
 
     def _step(self, requests, tokens, all_logits=False):
+        if self.runners is not None and len({len(t) for t in tokens}) == 1 and len(tokens[0]) <= WINDOW_QUERIES:
+            return self._replay(requests, tokens, all_logits)
         batch = self.table.extend_batch(requests, tokens, pad_rows=self.scenario.pad_rows, all_logits=all_logits)
         out = self.model(*batch.to(self.scenario.device).args(), host_metadata=batch.host)
         strategy = api.state(self.model).last_decision.strategy
         self.graph_keys.add((batch.input_ids.shape[0], *batch.req_to_token.shape, strategy))
+        self.logits.append(out)
+        return out
+
+    def _replay(self, requests, tokens, all_logits):
+        """One decode or verify step from a captured device graph; the runner pads the batch to its
+        bucket with padded rows of its own."""
+        batch = self.table.extend_batch(requests, tokens, all_logits=all_logits)
+        decision = self.model.decide(*batch.to(self.scenario.device).args(), host_metadata=batch.host)
+        if decision.strategy not in self.runners:
+            state = api.state(self.model)
+            self.runners[decision.strategy] = GraphRunner(
+                self.model.compiled(decision.strategy), buckets=(1, 2, 4, 8, 16), debug=True,
+                graphs=device_graphs(torch.device(self.scenario.device, 0)), host_slot=state.host_slot,
+                watched=[state.kv_pool.cache(i) for i in range(state.kv_pool.num_layers)])
+        out = self.runners[decision.strategy](batch, tokens_per_row=len(tokens[0]))
+        self.model.check_errors()
+        self.replays += 1
+        state = api.state(self.model)
+        state.strategy_counts[decision.strategy] += 1
+        state.last_decision = decision
+        self.graph_keys.add((batch.input_ids.shape[0], *batch.req_to_token.shape, decision.strategy))
         self.logits.append(out)
         return out
 
@@ -334,6 +367,8 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         "capacity": state.capacity.as_dict(),
         "pass_summary": state.pass_summary(),
         "graphs": len(state.reports),
+        "graph_replays": dcp.replays,
+        "device_graphs": sum(len(runner.captured) for runner in (dcp.runners or {}).values()),
         "graph_keys": len(dcp.graph_keys),
         "strategy_counts": dict(state.strategy_counts),
         "last_strategy_reason": decision.reason if decision else None,
@@ -420,6 +455,10 @@ def summarize(scenario: Scenario, ranks: list[dict]) -> dict:
         "tokens_total": head["tokens_total"],
         "pass_summary": head["pass_summary"],
         "graphs_captured": head["graphs"],
+        "device": scenario.device,
+        "emulated": scenario.device == "npu" and emulated_npu(),
+        "graph_replays": head["graph_replays"],
+        "device_graphs_captured": head["device_graphs"],
         "graph_keys": head["graph_keys"],
         "strategy_counts": head["strategy_counts"],
         "last_strategy_reason": head["last_strategy_reason"],

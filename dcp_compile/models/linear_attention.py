@@ -16,10 +16,12 @@ def linear_attention(
     q_seq_ids: torch.Tensor, state_slots: torch.Tensor, decay: float,
 ) -> torch.Tensor:
     out = torch.empty_like(v)
-    slots = state_slots[q_seq_ids].tolist()
-    for t, slot in enumerate(slots):
-        state[slot] = decay * state[slot] + k[t, :, :, None].float() * v[t, :, None, :].float()
-        out[t] = torch.einsum("hd,hde->he", q[t].float(), state[slot]).to(v.dtype)
+    slots = state_slots[q_seq_ids]
+    for t in range(q.shape[0]):  # device work only (no slot read on the host): it replays in a device graph
+        slot = slots[t:t + 1]
+        updated = decay * state.index_select(0, slot)[0] + k[t, :, :, None].float() * v[t, :, None, :].float()
+        state.index_copy_(0, slot, updated[None])
+        out[t] = torch.einsum("hd,hde->he", q[t].float(), updated).to(v.dtype)
     return out
 
 

@@ -15,6 +15,9 @@ guard_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity) -> (req_to_tok
     row writing KV; raises on the CPU, masks and sets the device's error flags elsewhere (a side
     effect: registered as one, so dead-code elimination keeps it when its outputs go unused).
 check_locations(loc, num_rows, N, I) -> loc copy; raises on a location outside the pool.
+    The debug checks (check_*) read the device back to the host, so they check nothing while a
+    device graph is being captured; a GraphRunner in debug mode runs check_metadata between
+    replays instead.
 check_metadata(req_to_token, seq_lens, q_seq_ids, q_positions, out_loc) -> q_positions copy; raises
     on positions inconsistent with the sequence lengths, negative page-table entries, or a row
     of seq_len 0 whose tokens write KV.
@@ -39,6 +42,7 @@ import torch
 from torch.library import custom_op
 
 from dcp_compile.lowering.torch import reference
+from dcp_compile.runtime import devices
 
 
 @custom_op("dcp::sharded_kv_write", mutates_args=("kv_cache",))
@@ -135,7 +139,8 @@ torch.fx.node.has_side_effect(torch.ops.dcp.guard_batch.default)
 
 @custom_op("dcp::check_locations", mutates_args=())
 def check_locations(loc: torch.Tensor, num_rows: int, dcp_size: int, interleave: int) -> torch.Tensor:
-    reference.check_write_locations(loc, num_rows, dcp_size, interleave)
+    if not devices.capturing(loc.device):
+        reference.check_write_locations(loc, num_rows, dcp_size, interleave)
     return loc.clone()
 
 
@@ -172,7 +177,8 @@ def _(req_to_token, seq_lens, dcp_size, interleave):
 @custom_op("dcp::check_metadata", mutates_args=())
 def check_metadata(req_to_token: torch.Tensor, seq_lens: torch.Tensor, q_seq_ids: torch.Tensor, q_positions: torch.Tensor,
                    out_loc: torch.Tensor | None = None) -> torch.Tensor:
-    reference.check_attention_metadata(req_to_token, seq_lens, q_seq_ids, q_positions, out_loc)
+    if not devices.capturing(req_to_token.device):
+        reference.check_attention_metadata(req_to_token, seq_lens, q_seq_ids, q_positions, out_loc)
     return q_positions.clone()
 
 
@@ -239,8 +245,10 @@ def check_host_metadata(
     host_prefix_lens: list[int] | None,
     host_cumulative_query_lens: list[int] | None,
 ) -> torch.Tensor:
-    reference.check_host_metadata(block_table, req_to_token, seq_lens, q_seq_ids, q_positions, dcp_rank, dcp_size,
-                                  interleave, block_size, host_local_lens, host_prefix_lens, host_cumulative_query_lens)
+    if not devices.capturing(req_to_token.device):
+        reference.check_host_metadata(block_table, req_to_token, seq_lens, q_seq_ids, q_positions, dcp_rank, dcp_size,
+                                      interleave, block_size, host_local_lens, host_prefix_lens,
+                                      host_cumulative_query_lens)
     return block_table.clone()
 
 

@@ -53,3 +53,8 @@ def capturing(device: torch.device) -> bool:
     backend = getattr(torch, torch.device(device).type, None)
     check = getattr(backend, "is_current_stream_capturing", None)
     return bool(check()) if check is not None and backend.is_available() else False
+
+
+def emulated_npu() -> bool:
+    """Whether the `npu` device here is the emulated one (reported by the demo, never branched on)."""
+    return not torch_npu_installed() and os.environ.get(EMULATOR_ENV) == "1"

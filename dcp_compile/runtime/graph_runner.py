@@ -11,7 +11,8 @@ Graphs whose kernels read host-fed inputs (runtime/host_inputs.py) keep their fe
 every replay the runner feeds each from the step's host metadata (host work such as plans, and
 tensors copied into the buffers the captured graph reads), and hands a back end what it must be
 told (an NPU graph's host lengths, for `NPUGraph.update`). In debug mode it checks that every
-feed was fed for this step and that no captured address moved.
+feed was fed for this step and that no captured address moved, and it runs the metadata check
+that the captured graph's own debug checks cannot run inside a capture (they read the device).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import warnings
 import torch
 
 from dcp_compile.runtime.batch import ForwardBatch
+from dcp_compile.runtime.devices import require_torch_npu
 from dcp_compile.runtime.host_inputs import HostFeed, HostSlot
 from dcp_compile.runtime.host_metadata import HostMetadata
 
@@ -83,26 +85,42 @@ class CudaGraphs(_DeviceGraphs):
 class NPUGraphs(_DeviceGraphs):
     """Ascend NPU graphs (torch.npu.NPUGraph). Capture records ops whose host inputs it bakes in
     with `auto_dispatch_capture`; each replay first pushes the step's values of those with
-    `NPUGraph.update(cpu_update_input=...)`, one dict per recorded call (docs/ascend.md §9.3)."""
+    `NPUGraph.update(cpu_update_input=...)`, one dict per recorded call (docs/ascend.md §9.3),
+    once the graph's previous replay has finished: an update under a running replay races it
+    (vllm-ascend synchronises there too, docs/ascend.md §9.5)."""
 
     backend_name, graph_class = "npu", "NPUGraph"
     capture_options = {"auto_dispatch_capture": True}
 
     def __init__(self):
-        from dcp_compile.runtime.devices import require_torch_npu
-
         require_torch_npu("NPU graphs")
         super().__init__()
         self._applied: dict[int, list] = {}
+        self._finished: dict[int, object] = {}
+        """Per graph: an event recorded after its last replay."""
 
     def replay(self, graph, updates) -> None:
         if updates:
+            finished = self._finished.get(id(graph))
+            if finished is not None:
+                finished.synchronize()
             graph.update(cpu_update_input=updates)
             self._applied[id(graph)] = updates
         graph.replay()
+        event = self.backend.Event()
+        event.record()
+        self._finished[id(graph)] = event
 
     def applied(self, graph):
         return self._applied.get(id(graph))
+
+
+def device_graphs(device: torch.device) -> _DeviceGraphs:
+    """The graph back end of a device: CUDA graphs, or NPU graphs."""
+    backends = {"cuda": CudaGraphs, "npu": NPUGraphs}
+    if torch.device(device).type not in backends:
+        raise ValueError(f"device graphs run on cuda or npu, not {torch.device(device).type}")
+    return backends[torch.device(device).type]()
 
 
 class _Captured:
@@ -163,6 +181,11 @@ class GraphRunner:
             updates.extend(feed.graph_updates(rank) or [])
         return updates or None
 
+    @staticmethod
+    def _check_inputs(inputs: ForwardBatch) -> None:
+        torch.ops.dcp.check_metadata(inputs.req_to_token, inputs.seq_lens, inputs.q_seq_ids, inputs.positions,
+                                     inputs.out_loc)
+
     def capture(self, template: ForwardBatch, tokens_per_row: int) -> _Captured:
         """Capture the graph for template's bucket and page-table width. Verify graphs (more than
         one token per row) return logits for every token; decode graphs, for every row."""
@@ -195,6 +218,8 @@ class GraphRunner:
         padded = batch.padded(bucket, tokens_per_row)
         for static, fresh in zip(captured.inputs.args(), padded.args()):
             static.copy_(fresh, non_blocking=True)
+        if self.debug:  # the graph's own debug checks ran at capture only: they cannot read the device there
+            self._check_inputs(captured.inputs)
         updates = self._feed(captured.feeds, padded.host)
         self.graphs.replay(captured.graph, updates)
         if self.debug and updates is not None and self.graphs.applied(captured.graph) != updates:

@@ -31,6 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 UPDATABLE = {"npu_fused_infer_attention_score": ("actual_seq_lengths", "actual_seq_lengths_kv")}
 """Ops whose host lengths NPUGraph.update rewrites, and the argument names it takes (FIA v1)."""
+KERNEL_NAMESPACES = {"aten", "prims", "npu", "dcp_triton", "_c10d_functional", "c10d", "dcp_npu_emulator"}
+"""Ops recorded as one unit of device work (a kernel, a collective); other ops' npu kernels are
+Python over these, and run at capture."""
+_NPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
 DEVICE_TO_HOST = {aten._local_scalar_dense.default, aten.nonzero.default, aten.nonzero_static.default}
 
 _capturing = threading.local()
@@ -140,16 +144,37 @@ class _Recorded:
 
 
 class _Recorder(TorchDispatchMode):
+    """Records the device work a capture issues. Under torch.compile it sees the compiled
+    artifact's ops, not the tracing (`ignore_compile_internals`), as a capture on hardware sees
+    the kernels the compiled graph launches."""
+
     def __init__(self, graph: "NPUGraph"):
         super().__init__()
         self.graph = graph
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat = pytree.tree_leaves((args, kwargs))
         device_work = any(_on_device(a) or _names_npu_device(a) for a in flat)
-        if not device_work or _is_view(func):
+        if not device_work:
             return func(*args, **kwargs)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            # Reached here only where autograd is off (inside a custom op's kernel): a
+            # composite such as `to` runs as the ops it is made of, each seen here.
+            with self:
+                return func.decompose(*args, **kwargs)
+        if _is_view(func):
+            return func(*args, **kwargs)
+        if func.namespace not in KERNEL_NAMESPACES:
+            # A custom op whose npu kernel is Python over other ops: its Python runs now, at
+            # capture, as it would on hardware (its host decisions freeze), and the ops it issues
+            # are recorded.
+            with self:
+                return func.redispatch(_NPU_KEYS, *args, **kwargs)
         _check_host_traffic(func, args, kwargs)
         outputs = _placeholders(func, args, kwargs)
         self.graph._records.append(_Recorded(func, args, dict(kwargs), outputs))
