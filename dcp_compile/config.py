@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 INNER_COMPILERS = ("eager", "inductor", "torchair")
+FIA_BLOCK_SIZE_RULES = ("cann-2025", "cann-2026")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,13 @@ class DCPConfig:
     absent), one registered by the user, or 'auto' (on CUDA, flashinfer where it is installed and
     serves the GPU and the model, else triton; npu on Ascend NPUs; torch elsewhere). apply()
     records the back end it resolved here."""
+
+    fia_block_sizes: str = "cann-2025"
+    """kernels='npu': which FIA block sizes (rows of a local KV block) to allow. 'cann-2025': 16 or
+    128, what CANN's FIA tiling check allowed for ND MLA paged KV until 2026 (ops-transformer
+    c29bc106, 2025-11), and what both engines use (128); 'cann-2026': any multiple of 16 up to
+    1024, which only a CANN built from ops-transformer of 2026 or later (e197ec56) accepts
+    (docs/ascend.md §4.5)."""
 
     attention_strategy: str = "auto"
     """'gather-q', 'gather-kv', or 'auto': the cost model picks per batch (dcp_compile.cost_model)."""
@@ -62,6 +70,8 @@ class DCPConfig:
         if self.kernels == "flashinfer" and self.inner_compile != "eager":
             raise ValueError("kernels='flashinfer' runs with inner_compile='eager': its attention reads a plan made on "
                              "the host before each step, which another compiler could reorder around")
+        if self.fia_block_sizes not in FIA_BLOCK_SIZE_RULES:
+            raise ValueError(f"fia_block_sizes must be one of {FIA_BLOCK_SIZE_RULES}, got {self.fia_block_sizes!r}")
         if not isinstance(self.debug_checks, bool):
             raise ValueError(f"debug_checks must be True or False, got {self.debug_checks!r}")
         if self.attention_strategy not in ("auto", "gather-q", "gather-kv"):

@@ -49,9 +49,9 @@ class Workload:
     """I, the interleave size."""
     page_size: int | None = None
     """KV page size; None: the one the back end reads (kernels='npu': from block_size), else I."""
-    block_size: int = 16
+    block_size: int = 128
     """Rows of one local block, where the back end sets pages from it (kernels='npu': FIA's
-    block size; pages are block_size x N locations at interleave 1, or block_size)."""
+    block size, 16 or 128; pages are block_size x N locations at interleave 1, or block_size)."""
     kernels: str = "auto"
     """The kernel back end (dcp_compile.lowering.registry names)."""
     dtype: str | None = None

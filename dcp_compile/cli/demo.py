@@ -86,11 +86,11 @@ def register(sub) -> None:
                         "(Ascend FIA + npu_attention_update; CPU stand-ins without torch_npu; both models use it), auto")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default float32; bfloat16 with --kernels npu, since FIA takes bf16/fp16)")
-    p.add_argument("--block-size", type=int, default=16,
-                   help="--kernels npu: FIA block size; pages are block x dcp_size locations (default 16, small so "
-                        "that short contexts cross blocks; engines use 128)")
+    p.add_argument("--block-size", type=int, default=128,
+                   help="--kernels npu: FIA block size, 16 or 128 (default 128, as the engines use; 16 makes short "
+                        "contexts cross blocks); pages are block x dcp_size locations")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"),
-                   help="ranks on CPU (gloo, default), one CUDA GPU each (NCCL) or one Ascend NPU each (HCCL, needs torch_npu)")
+                   help="ranks on CPU (gloo, default), one CUDA GPU each (NCCL) or one Ascend NPU each (HCCL, needs torch_npu, or DCP_COMPILE_NPU_EMULATOR=1 for the emulated device)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds a collective waits for a stalled rank before the run fails (default "
                         f"{DEFAULT_TIMEOUT_S:g}; finite, at most a year)")

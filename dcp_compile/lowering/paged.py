@@ -116,6 +116,17 @@ query (every local key in decode): out in q's dtype, fp32 natural-log lse, -inf 
 no key. q_rope has q_latent's dtype."""
 
 
+def site_key_positions(graph: fx.Graph, site: PoolAttention) -> fx.Node:
+    """The global position of each page-table entry the site reads (its columns at dcp_size 1,
+    where the page table is global)."""
+    if site.key_positions is not None:
+        return site.key_positions
+    width = fake_value(site.req_to_token).shape[1]
+    columns = call(graph, aten.arange.default, width, dtype=fake_value(site.req_to_token).dtype,
+                   device=fake_value(site.req_to_token).device)
+    return call(graph, aten.expand.default, columns, [size_of(graph, site.req_to_token, 0), width])
+
+
 def lower_pool_attention(graph: fx.Graph, site: PoolAttention, kernel: PrefixKernel, split: bool, reader: str) -> None:
     """Replace one attention over the pool by `kernel`, plus window attention where `split` (verify
     and short extend rows); `reader` names the kernel in errors."""
@@ -131,11 +142,7 @@ def lower_pool_attention(graph: fx.Graph, site: PoolAttention, kernel: PrefixKer
             q_rope = call(graph, aten._to_copy.default, q_rope, dtype=fake_value(q_latent).dtype)
         out, lse = kernel(graph, site, q_latent, q_rope, decode)
         if split and not decode:
-            key_positions = site.key_positions
-            if key_positions is None:  # dcp_size 1: the page table is global, positions are columns
-                columns = call(graph, aten.arange.default, width, dtype=fake_value(site.req_to_token).dtype,
-                               device=fake_value(site.req_to_token).device)
-                key_positions = call(graph, aten.expand.default, columns, [size_of(graph, site.req_to_token, 0), width])
+            key_positions = site_key_positions(graph, site)
             completed = call(graph, targets.WINDOW_ATTENTION, out, lse, q_latent, q_rope, site.cache, site.page_table,
                              site.local_lens, key_positions, site.q_seq_ids, site.q_positions, site.sm_scale,
                              min(targets.WINDOW_QUERIES, width))

@@ -29,6 +29,9 @@ window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table,
     Adds each row's keys at or after its first query (the last <= window entries) to a paged
     kernel's unmasked attention over the keys before it (verify under the paged lowerings:
     docs/paged-lowerings.md). window <= WINDOW_QUERIES.
+prefix_key_counts(local_lens, key_positions, q_seq_ids, q_positions, whole_rows) -> [T]
+    The keys a paged prefix kernel attends over for each query token (its row's local keys, or
+    those before the row's first query): a lowering masks the tokens whose count is 0.
 split_partials(packed [N, T, H, R + w], R) -> (outs [N, T*H, R], lses [N, T*H] fp32)
     The exchanged partials as npu_attention_update's inputs, with the all-empty-row guard.
 check_host_metadata(block_table, req_to_token, seq_lens, q_seq_ids, q_positions, r, N, I, block_size,
@@ -216,6 +219,17 @@ def _(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, 
       sm_scale, window):
     tokens, heads, _ = q_latent.shape
     return q_latent.new_empty(q_latent.shape), q_latent.new_empty((tokens, heads), dtype=torch.float32)
+
+
+@custom_op("dcp::prefix_key_counts", mutates_args=())
+def prefix_key_counts(local_lens: torch.Tensor, key_positions: torch.Tensor | None, q_seq_ids: torch.Tensor,
+                      q_positions: torch.Tensor, whole_rows: bool) -> torch.Tensor:
+    return reference.prefix_key_counts(local_lens, key_positions, q_seq_ids, q_positions, whole_rows)
+
+
+@prefix_key_counts.register_fake
+def _(local_lens, key_positions, q_seq_ids, q_positions, whole_rows):
+    return local_lens.new_empty(q_seq_ids.shape)
 
 
 @custom_op("dcp::split_partials", mutates_args=())

@@ -25,3 +25,4 @@ GATHER_LOCAL_ROWS = dcp.gather_local_rows.default
 GATHERED_KV_METADATA = dcp.gathered_kv_metadata.default
 WINDOW_ATTENTION = dcp.window_attention.default
 SPLIT_PARTIALS = dcp.split_partials.default
+PREFIX_KEY_COUNTS = dcp.prefix_key_counts.default

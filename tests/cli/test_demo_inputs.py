@@ -36,10 +36,13 @@ from dcp_compile.harness.scenario import Driver, Scenario, compare
     (["--kernels", "npu", "--block-size", "0"],
      "block-size must be >= 1, got 0"),
     (["--kernels", "npu", "--block-size", "7"],
-     "--block-size 7 does not suit kernels='npu': FIA's block_size must be a multiple of 16 and at most 1024"),
-    (["--kernels", "npu", "--block-size", "2048"], "--block-size 2048 does not suit kernels='npu': FIA's block_size must"),
-    (["--kernels", "npu", "--block-size", "48"], "block_size (--block-size) 48 makes pages of 96 locations at dcp_size 2, "
-                                                 "which must divide the KV pool's 4096 rows (kv_rows)"),
+     "--block-size 7 does not suit kernels='npu': FIA's block size must be 16 or 128 (docs/ascend.md §4.5)"),
+    (["--kernels", "npu", "--block-size", "2048"], "--block-size 2048 does not suit kernels='npu': FIA's block size must be 16 or 128"),
+    (["--kernels", "npu", "--block-size", "64"], "--block-size 64 does not suit kernels='npu': FIA's block size must be "
+                                                 "16 or 128 (docs/ascend.md §4.5); page size 128 over dcp_size 2 with "
+                                                 "interleave 1 gives 64; a CANN built from ops-transformer of 2026 or "
+                                                 "later takes any multiple of 16 up to 1024: "
+                                                 "apply(..., fia_block_sizes='cann-2026')"),
     (["--timeout", "0"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got 0.0"),
     (["--timeout", "inf"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got inf"),
     (["--timeout", "nan"], "timeout must be a finite number of seconds > 0 and at most 31536000 (a year), got nan"),

@@ -14,15 +14,16 @@
 
 The lengths and the block table are host-fed graph inputs (lowering/paged.HostPlaceholders) that
 the graph's FIAFeed fills each step. Why this scheme (layouts, the split for verify, heads padded
-to a power of two, FIA's +inf on an empty shard): docs/paged-lowerings.md; the FIA facts it
+to a power of two, empty shards masked by their lengths): docs/paged-lowerings.md; the FIA facts it
 rests on: docs/ascend.md.
 
 Assumes: gather_q_attention ran (dcp_size > 1) or the graph is the canonical one (dcp_size 1);
 pages map onto whole local blocks; the queries of a row are the last query_lens[b] positions of
 its sequence, grouped by row (RequestTable's batches), which debug mode checks.
 Guarantees: every attention over the pool runs FIA; out and lse keep mla_partial_attention's
-contract (out in q's dtype, fp32 lse, -inf where a row sees no key); a padded row (all shards
-empty) merges to 0, never NaN.
+contract (out in q's dtype, fp32 lse, -inf where a row sees no key: masked by the batch's device
+lengths, not read from FIA's output on an empty shard); a padded row (all shards empty) merges
+to 0, never NaN.
 Why a pass: the kernel and its layout depend on the deployment (Ascend), not on the model.
 """
 
@@ -43,7 +44,11 @@ from dcp_compile.runtime import layout
 
 aten = torch.ops.aten
 FIA_HEAD_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)  # docs/ascend.md §4.2
-FIA_MAX_BLOCK_SIZE = 1024  # docs/ascend.md §4.5: a multiple of 16, at most 1024 (CANN's 2026 tiling check)
+FIA_BLOCK_SIZES = {  # docs/ascend.md §4.5: CANN's tiling checks for ND MLA paged KV, by date
+    "cann-2025": (16, 128),
+    "cann-2026": tuple(range(16, 1025, 16)),
+}
+DEFAULT_BLOCK_SIZE = 128  # both engines' (docs/ascend.md §4.5)
 MAX_UPDATE_SHARDS = 16  # npu_attention_update: at most 16 inputs (docs/ascend.md §8.3)
 
 
@@ -55,13 +60,17 @@ def attention_update_op():
     return torch.ops.npu.npu_attention_update.default
 
 
-def fia_block_size(page_size: int, dcp_size: int, interleave: int) -> int:
+def fia_block_size(page_size: int, dcp_size: int, interleave: int, rule: str = "cann-2025") -> int:
+    """The FIA block size of pages of `page_size`; an error unless `rule` (DCPConfig.fia_block_sizes) allows it."""
     block_size = layout.require_local_block_size(page_size, dcp_size, interleave, "the NPU lowering (FIA's block table)")
-    if block_size % 16 or not 0 < block_size <= FIA_MAX_BLOCK_SIZE:
-        raise ValueError(
-            f"FIA's block_size must be a multiple of 16 and at most {FIA_MAX_BLOCK_SIZE} (docs/ascend.md §4.5); page "
-            f"size {page_size} over dcp_size {dcp_size} with interleave {interleave} gives {block_size}"
-        )
+    if block_size not in FIA_BLOCK_SIZES[rule]:
+        allowed = "16 or 128" if rule == "cann-2025" else "a multiple of 16 up to 1024"
+        message = (f"FIA's block size must be {allowed} (docs/ascend.md §4.5); page size {page_size} over dcp_size "
+                   f"{dcp_size} with interleave {interleave} gives {block_size}")
+        if rule == "cann-2025" and block_size in FIA_BLOCK_SIZES["cann-2026"]:
+            message += ("; a CANN built from ops-transformer of 2026 or later takes any multiple of 16 up to 1024: "
+                        "apply(..., fia_block_sizes='cann-2026') on such a CANN only")
+        raise ValueError(message)
     return block_size
 
 
@@ -84,7 +93,8 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         self._views: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
 
     def block_size(self, config: PassConfig) -> int:
-        return fia_block_size(config.page_size, config.dcp_size, config.interleave)
+        # apply() checked the deployment's rule (DCPConfig.fia_block_sizes); here only FIA's outer bound.
+        return fia_block_size(config.page_size, config.dcp_size, config.interleave, "cann-2026")
 
     def kernel(self, graph, site, q_latent, q_rope, decode, host, block_table, block_size):
         if site.cache not in self._views:
@@ -137,11 +147,23 @@ class LowerNPUAttention(paged.PagedAttentionPass):
                        actual_seq_lengths=host.cumulative_query_lens(), actual_seq_lengths_kv=host.prefix_lens(), **common)
         out = call(graph, aten.view.default, call(graph, operator.getitem, fia, 0), [tokens, all_heads, rank_dim])
         lse = call(graph, aten.view.default, call(graph, operator.getitem, fia, 1), [tokens, all_heads])
-        # FIA's empty shard gives +inf (docs/ascend.md §7.2): the project's convention is -inf.
-        lse = call(graph, aten.masked_fill.Scalar, lse, call(graph, aten.eq.Scalar, lse, float("inf")), float("-inf"))
+        out, lse = LowerNPUAttention._mask_empty(graph, site, out, lse, decode)
         if all_heads != heads:
             out = call(graph, aten.slice.Tensor, out, 1, 0, heads)
             lse = call(graph, aten.slice.Tensor, lse, 1, 0, heads)
+        return out, lse
+
+    @staticmethod
+    def _mask_empty(graph, site, out, lse, decode: bool):
+        """Out 0 and lse -inf for the tokens whose FIA call saw no key, by the batch's device
+        lengths, as SGLang masks them: whatever FIA returns on an empty shard (+inf where CANN
+        >= 8.5 was read to give it, docs/ascend.md §7.2), it then weighs nothing in the merge."""
+        positions = None if decode else paged.site_key_positions(graph, site)
+        counts = call(graph, targets.PREFIX_KEY_COUNTS, site.local_lens, positions, site.q_seq_ids, site.q_positions,
+                      decode)
+        empty = call(graph, aten.unsqueeze.default, call(graph, aten.eq.Scalar, counts, 0), 1)
+        lse = call(graph, aten.masked_fill.Scalar, lse, empty, float("-inf"))
+        out = call(graph, aten.masked_fill.Scalar, out, call(graph, aten.unsqueeze.default, empty, 2), 0.0)
         return out, lse
 
     @staticmethod

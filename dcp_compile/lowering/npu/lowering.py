@@ -44,7 +44,7 @@ class NPULowering(Lowering):
                              f"{pool.kv_lora_rank} and {pool.rope_dim}")
         if config.dcp_size > MAX_UPDATE_SHARDS:
             raise ValueError(f"npu_attention_update merges at most {MAX_UPDATE_SHARDS} shards, dcp_size is {config.dcp_size}")
-        self.check_layout(pool.page_size, config.dcp_size, config.interleave)
+        fia_block_size(pool.page_size, config.dcp_size, config.interleave, config.fia_block_sizes)
         heads = getattr(model, "num_local_heads", None)
         if heads is not None:
             padded_heads(heads * config.dcp_size)

@@ -22,12 +22,17 @@ Kernel behaviours that callers rely on and that the stand-ins reproduce:
 - A request with actual_seq_lengths_kv == 0 gets attention_out 0 and softmax_lse +inf (inferred
   for CANN >= 8.5's MLA kernel, §7.2), and npu_attention_update reads an lse of +inf as -inf (§7.3).
 - A row whose every lse is -inf merges to NaN, as the kernel's arithmetic gives (§7.4).
+
+Planted deviations (`DCP_COMPILE_STANDIN_PLANT=NAME`, read at every call, so spawned ranks see it
+too) make a stand-in depart from one fact on purpose: the tests of what relies on that fact, and
+bench/npu_facts.py's own check that it reports a deviation, use them. See PLANTS.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -63,6 +68,21 @@ ATTENTION_UPDATE_SCHEMA = (
 )
 
 _library: torch.library.Library | None = None
+
+PLANT_ENV = "DCP_COMPILE_STANDIN_PLANT"
+PLANTS = {
+    "empty-shard-lse": "FIA gives an lse of -inf (not +inf) for a request with no key",
+    "empty-shard-garbage": "FIA gives garbage for a request with no key: NaN out and a finite lse of 30",
+}
+"""Deviations a stand-in can be made to show, by name."""
+
+
+def planted() -> str | None:
+    """The deviation switched on (PLANT_ENV), if any."""
+    name = os.environ.get(PLANT_ENV) or None
+    if name is not None and name not in PLANTS:
+        raise ValueError(f"{PLANT_ENV}={name!r}: no such deviation; choose one of {sorted(PLANTS)}")
+    return name
 
 
 def register() -> bool:
@@ -572,8 +592,23 @@ def _compute_fia(args: FiaArgs, plan: FiaPlan) -> tuple[torch.Tensor, torch.Tens
             _visible_keys(args, request, query_count, kv_len).to(query.device),
             args.scale,
         )
+    _plant_empty_requests(out, lse, plan)
     attention_out = _from_token_major(out, layout, args.query.shape)
     return attention_out.to(args.query.dtype), _lse_output(lse, plan, args)
+
+
+def _plant_empty_requests(out: torch.Tensor, lse: torch.Tensor, plan: "FiaPlan") -> None:
+    plant = planted()
+    if plant not in ("empty-shard-lse", "empty-shard-garbage"):
+        return
+    first_query = 0
+    for query_count, kv_len in zip(plan.query_counts, plan.kv_lens):
+        queries = slice(first_query, first_query + query_count)
+        first_query += query_count
+        if kv_len == 0 and plant == "empty-shard-lse":
+            lse[queries] = -math.inf
+        elif kv_len == 0:
+            out[queries], lse[queries] = math.nan, 30.0
 
 
 def _token_major(tensor: torch.Tensor, layout: str) -> torch.Tensor:

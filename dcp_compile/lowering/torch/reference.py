@@ -255,6 +255,23 @@ def first_query_positions(q_seq_ids, q_positions, rows: int):
     return first.scatter_reduce(0, q_seq_ids, q_positions, "amin")
 
 
+def prefix_key_counts(local_lens, key_positions, q_seq_ids, q_positions, whole_rows: bool):
+    """Per query token, the keys a paged prefix kernel attends over for it (docs/paged-lowerings.md):
+    every local key of its row (`whole_rows`, decode), else the local keys before its row's first
+    query. From the batch's device tensors, so a lowering can mask the rows a kernel saw empty
+    whatever the kernel returned for them. key_positions None: a key's position is its column."""
+    if whole_rows:
+        return local_lens.index_select(0, q_seq_ids)
+    rows = local_lens.shape[0]
+    if key_positions is None:
+        raise ValueError("prefix_key_counts needs key positions unless whole_rows")
+    width = key_positions.shape[1]
+    valid = torch.arange(width, device=local_lens.device)[None, :] < local_lens[:, None]
+    first = first_query_positions(q_seq_ids, q_positions, rows)
+    before = valid & (key_positions < first[:, None].to(key_positions.dtype))
+    return before.sum(dim=1).to(local_lens.dtype).index_select(0, q_seq_ids)
+
+
 def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions,
                      q_seq_ids, q_positions, sm_scale: float, window: int):
     """Complete attention over a row's keys before its first query (out_prefix, lse_prefix, from

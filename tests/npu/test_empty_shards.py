@@ -1,0 +1,83 @@
+"""FIA's output on an empty shard is not trusted (issue 18, defect 6): the NPU lowering masks the
+tokens whose FIA call saw no key by the batch's device lengths (dcp.prefix_key_counts), so a
+kernel that returns garbage there changes nothing. Runs on the emulated npu device, with the
+stand-in FIA made to return NaN and a finite LSE on empty requests (standin.PLANTS)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dcp_compile
+from dcp_compile.harness.scenario import Scenario, compare
+from dcp_compile.lowering.npu import standin
+from dcp_compile.lowering.torch import reference
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.runtime import devices
+from dcp_compile.runtime.batch import RequestTable
+
+os.environ.setdefault(devices.EMULATOR_ENV, "1")
+devices.require_torch_npu("the NPU lowering's tests")
+
+GARBAGE = "empty-shard-garbage"
+
+
+@pytest.mark.parametrize("dcp_size, interleave", [(1, 1), (2, 1), (4, 1), (2, 16)])
+def test_prefix_key_counts_are_the_lengths_fia_is_given(dcp_size, interleave):
+    """The device count of keys each query's FIA call sees equals the host length FIA is handed:
+    the local length (decode), the local keys before the row's first query (verify)."""
+    table = RequestTable(5, 80, 4096, 16 * dcp_size, dcp_size, interleave)
+    table.extend_batch([0, 1, 2, 3], [[1] * 1, [1] * 2, [1] * 37, [1] * 5])
+    for tokens in ([[1]] * 4, [[1] * 3, [1] * 7, [1] * 1, [1] * 16]):
+        batch = table.extend_batch([0, 1, 2, 3], tokens, pad_rows=1)
+        decode = len(tokens[0]) == 1 and all(len(t) == 1 for t in tokens)
+        for rank in range(dcp_size):
+            _, lens, positions = reference.local_metadata(batch.req_to_token, batch.seq_lens, rank, dcp_size, interleave)
+            counts = reference.prefix_key_counts(lens, None if decode else positions, batch.q_seq_ids, batch.positions,
+                                                 decode)
+            host = batch.host.for_rank(rank)
+            per_row = host.local_seq_lens if decode else host.local_prefix_lens
+            assert counts.tolist() == [per_row[row] for row in batch.q_seq_ids.tolist()]
+
+
+def _npu_model():
+    model = MLAModel(preset("tiny-512"), 2048, max_requests=4, dtype=torch.bfloat16, page_size=16, device="npu")
+    return dcp_compile.apply(model, 1, kernels="npu")
+
+
+def test_garbage_from_fia_on_empty_requests_changes_no_logit(monkeypatch):
+    """A padded row (no key) in decode, and a verify row whose every key is in the window (FIA's
+    prefix empty): with FIA returning NaN and an lse of 30 there, the logits are bit for bit those
+    of the faithful stand-in, and finite."""
+    torch.manual_seed(0)
+    clean, planted = _npu_model(), _npu_model()
+    planted.load_state_dict(clean.state_dict())
+    tables = [RequestTable(4, 64, 2048, 16) for _ in range(2)]
+    steps = [
+        [[5] * 9, [6] * 3],          # prefill: TND with 9 and 3 queries, prefixes empty
+        [[7], [8]],                  # decode, with a padded row
+        [[1, 2, 3], [4, 5, 6, 7]],   # verify
+    ]
+    for tokens in steps:
+        outs = []
+        for model, table, plant in ((clean, tables[0], None), (planted, tables[1], GARBAGE)):
+            if plant:
+                monkeypatch.setenv(standin.PLANT_ENV, plant)
+            else:
+                monkeypatch.delenv(standin.PLANT_ENV, raising=False)
+            batch = table.extend_batch([0, 1], tokens, pad_rows=1, all_logits=len(tokens[0]) > 1)
+            outs.append(model(*batch.to("npu").args(), host_metadata=batch.host).cpu())
+        assert torch.isfinite(outs[0]).all()
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_dcp_two_with_garbage_on_empty_shards_matches_dcp_size_one(monkeypatch):
+    """Lengths 1 and 2 leave shards empty at DCP 2, and a padded row is empty on both."""
+    monkeypatch.setenv(standin.PLANT_ENV, GARBAGE)
+    result = compare(Scenario(mode="verify", draft_len=3, dcp_size=2, tp_size=2, batch=3, contexts=(1, 2, 40), steps=2,
+                              kernels="npu", device="npu", block_size=16, seed=3))
+    assert result["finite"] and result["tokens_match"] and result["near_tie_flips"] == 0
+    assert result["outputs_match"] and result["max_abs_diff"] < result["tolerance"]
