@@ -267,6 +267,7 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     lowering.prepare(pool, config)
     groups = parallel.build(current.tp_size, config.dcp_size)
     pool.reshard(groups.dcp_size, groups.dcp_rank, config.interleave, kv_keep)
+    pool.use_layout(lowering.kv_layout)
     host_slot = HostSlot(groups.dcp_rank)
     backends = {name: DCPBackend(config, groups, lowering, name, pool.page_size, host_slot, pool)
                 for name in lowering.strategies(config.dcp_size)}

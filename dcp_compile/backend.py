@@ -13,7 +13,7 @@ from dcp_compile.config import DCPConfig
 from dcp_compile.debug.dump import TextDump, writable_folder
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.passes import PassConfig, PassManager, PassReport, default_passes
-from dcp_compile.passes.cache_use import check_cache_use
+from dcp_compile.passes.cache_use import bind_pool, check_cache_use
 from dcp_compile.passes.sites import count_mla_sites
 from dcp_compile.runtime.host_inputs import HostSlot
 from dcp_compile.runtime.parallel import ParallelState
@@ -82,6 +82,8 @@ class DCPBackend:
             )
         # Dynamo reads its graph's placeholders after this call, and a lowering may add inputs.
         gm = _own_graph(gm)
+        if self.pool is not None:
+            bind_pool(gm, example_inputs, self.pool)
         report = self.manager.run(gm)
         self.reports.append(report)
         log.info("dcp_compile graph %d: %s", len(self.reports) - 1, report.summary())

@@ -30,6 +30,7 @@ from dcp_compile.models.config import MLAModelConfig, allowed_tp_sizes
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import default_passes
 from dcp_compile.passes.base import PassConfig
+from dcp_compile.passes.cache_use import bind_pool
 from dcp_compile.runtime import parallel
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.workload import DTYPES, MODES, Workload
@@ -188,6 +189,8 @@ def capture(spec: GraphSpec) -> CapturedGraph:
     if spec.dcp_size > 1 and model.kv_pool is not None:
         # As apply() does: the cache the passes see is this rank's shard.
         model.kv_pool.reshard(spec.dcp_size, 0, spec.interleave)
+    if model.kv_pool is not None:
+        model.kv_pool.use_layout(spec.lowering().kv_layout)
     table = RequestTable(spec.batch, per_request, capacity, page_size=spec.page)
     requests = list(range(spec.batch))
     if spec.context:
@@ -198,6 +201,8 @@ def capture(spec: GraphSpec) -> CapturedGraph:
     graphs: list[fx.GraphModule] = []
 
     def record(gm: fx.GraphModule, example_inputs):
+        if model.kv_pool is not None:
+            bind_pool(gm, example_inputs, model.kv_pool)
         graphs.append(gm)
         outputs = _placeholder_outputs(gm)
         return lambda *args: outputs

@@ -265,7 +265,7 @@ class Driver:
             self.runners[decision.strategy] = GraphRunner(
                 self.model.compiled(decision.strategy), buckets=(1, 2, 4, 8, 16), debug=True,
                 graphs=device_graphs(torch.device(self.scenario.device, 0)), host_slot=state.host_slot,
-                watched=[state.kv_pool.cache(i) for i in range(state.kv_pool.num_layers)])
+                watched=state.kv_pool.storage())
         out = self.runners[decision.strategy](batch, tokens_per_row=len(tokens[0]))
         self.model.check_errors()
         self.replays += 1

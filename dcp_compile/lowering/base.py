@@ -9,7 +9,8 @@ back end through these methods and never names one:
 - its passes: `passes()`, run after the DCP rewrites, before cleanup and the verifier;
 - its query limit: `window` tokens per request where `windowed(dcp_size)`, more going to the
   gather-kv strategy, which `strategies(dcp_size)` then compiles at dcp_size 1 too;
-- its KV layout: `page_size(dcp_size, interleave, block_size)` (the pages its kernels read,
+- its KV layout: `kv_layout` (the pool's rows packed, or split in two tensors),
+  `page_size(dcp_size, interleave, block_size)` (the pages its kernels read,
   where it sets them), `check_layout(page_size, dcp_size, interleave)`, `model_dims` (the
   latent and rope widths it needs) and `dtypes`;
 - which dcp_size=1 baseline a comparison runs it against: `baseline` (the demo);
@@ -37,6 +38,9 @@ class Lowering:
     """(kv_lora_rank, rope dim) its kernels need, or None for any."""
     dtypes: tuple[torch.dtype, ...] | None = None
     """KV cache dtypes its kernels take, or None for any."""
+    kv_layout: str = "packed"
+    """How the pool holds a layer's rows for its kernels (runtime.kv_pool.KV_LAYOUTS): 'packed',
+    or 'split', whose lowering then ends with lowering.kv_layout.SplitKVCache."""
     plans_on_host: bool = False
     """Whether its kernels read host metadata of each step (lengths, block tables, plans)."""
     baseline: str | None = None

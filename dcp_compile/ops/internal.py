@@ -2,8 +2,11 @@
 
 N = dcp_size, r = dcp_rank, I = interleave; layout math lives in runtime/layout.py.
 
-sharded_kv_write(kv_cache (local shard, mutated), latent, rope, loc, r, N, I)
+sharded_kv_write(kv_cache (local shard, mutated), latent, rope, loc, r, N, I, rope_cache=None)
     Like mla_kv_write, but writes only the locations rank r owns, at their local rows.
+    The ops that read or write the pool take an optional rope_cache: given, kv_cache is the split
+    layout's latent part [rows, R] and rope_cache its rope part [rows, P] (a back end's choice,
+    lowering/kv_layout.py); else kv_cache is the packed [rows, R + P].
 local_metadata(req_to_token, seq_lens, r, N, I) -> (local_req_to_token, local_seq_lens, local_positions)
     Rank r's local page table (local rows, position order), lengths and global key positions.
 mla_partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions,
@@ -48,7 +51,7 @@ from dcp_compile.lowering.torch import reference
 from dcp_compile.runtime import devices
 
 
-@custom_op("dcp::sharded_kv_write", mutates_args=("kv_cache",))
+@custom_op("dcp::sharded_kv_write", mutates_args=("kv_cache", "rope_cache"))
 def sharded_kv_write(
     kv_cache: torch.Tensor,
     latent: torch.Tensor,
@@ -57,12 +60,13 @@ def sharded_kv_write(
     dcp_rank: int,
     dcp_size: int,
     interleave: int,
+    rope_cache: torch.Tensor | None = None,
 ) -> None:
-    reference.kv_write(kv_cache, latent, rope, loc, dcp_rank, dcp_size, interleave)
+    reference.kv_write(kv_cache, latent, rope, loc, dcp_rank, dcp_size, interleave, rope_cache)
 
 
 @sharded_kv_write.register_fake
-def _(kv_cache, latent, rope, loc, dcp_rank, dcp_size, interleave):
+def _(kv_cache, latent, rope, loc, dcp_rank, dcp_size, interleave, rope_cache=None):
     return None
 
 
@@ -89,14 +93,16 @@ def mla_partial_attention(
     q_seq_ids: torch.Tensor,
     q_positions: torch.Tensor,
     sm_scale: float,
+    rope_cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.partial_attention(
-        q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, sm_scale
+        q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, sm_scale, rope_cache
     )
 
 
 @mla_partial_attention.register_fake
-def _(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, sm_scale):
+def _(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, sm_scale,
+      rope_cache=None):
     tokens, heads, _ = q_latent.shape
     return q_latent.new_empty(q_latent.shape), q_latent.new_empty((tokens, heads), dtype=torch.float32)
 
@@ -153,14 +159,16 @@ def _(loc, num_rows, dcp_size, interleave):
 
 
 @custom_op("dcp::gather_local_rows", mutates_args=())
-def gather_local_rows(kv_cache: torch.Tensor, local_req_to_token: torch.Tensor, local_seq_lens: torch.Tensor) -> torch.Tensor:
-    return reference.gather_local_rows(kv_cache, local_req_to_token, local_seq_lens)
+def gather_local_rows(kv_cache: torch.Tensor, local_req_to_token: torch.Tensor, local_seq_lens: torch.Tensor,
+                      rope_cache: torch.Tensor | None = None) -> torch.Tensor:
+    return reference.gather_local_rows(kv_cache, local_req_to_token, local_seq_lens, rope_cache)
 
 
 @gather_local_rows.register_fake
-def _(kv_cache, local_req_to_token, local_seq_lens):
+def _(kv_cache, local_req_to_token, local_seq_lens, rope_cache=None):
     batch, width = local_req_to_token.shape
-    return kv_cache.new_empty((batch, width, kv_cache.shape[-1]))
+    row_dim = kv_cache.shape[-1] + (0 if rope_cache is None else rope_cache.shape[-1])
+    return kv_cache.new_empty((batch, width, row_dim))
 
 
 @custom_op("dcp::gathered_kv_metadata", mutates_args=())
@@ -209,14 +217,15 @@ def window_attention(
     q_positions: torch.Tensor,
     sm_scale: float,
     window: int,
+    rope_cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens,
-                                      key_positions, q_seq_ids, q_positions, sm_scale, window)
+                                      key_positions, q_seq_ids, q_positions, sm_scale, window, rope_cache)
 
 
 @window_attention.register_fake
 def _(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions,
-      sm_scale, window):
+      sm_scale, window, rope_cache=None):
     tokens, heads, _ = q_latent.shape
     return q_latent.new_empty(q_latent.shape), q_latent.new_empty((tokens, heads), dtype=torch.float32)
 

@@ -38,12 +38,34 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.shape == b.shape
 
 
-def check_cache_use(graph: fx.Graph, example_inputs, caches: list[torch.Tensor]) -> None:
+POOL_INPUTS = "dcp_kv_pool_inputs"
+"""gm.meta key: (the KV pool, {placeholder name: its layer}), for passes that read the pool's
+tensors themselves (a back end's KV layout, lowering/kv_layout.py)."""
+
+
+def pool_inputs(graph: fx.Graph, example_inputs, caches: list[torch.Tensor]) -> dict[fx.Node, int]:
+    """The graph's placeholders that are the pool's caches, with each one's layer."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    pool_nodes = set()
+    found = {}
     for node, example in zip(placeholders, example_inputs):
-        if isinstance(example, torch.Tensor) and any(_same_storage(example, cache) for cache in caches):
-            pool_nodes.add(node)
+        if isinstance(example, torch.Tensor):
+            # The buffer itself, else one of the same memory (a view of it); meta tensors have no
+            # memory to tell them apart, nor does the split layout's memoryless cache: identity.
+            same = [layer for layer, cache in enumerate(caches) if example is cache]
+            same = same or [layer for layer, cache in enumerate(caches) if _same_storage(example, cache)]
+            if same:
+                found[node] = same[0]
+    return found
+
+
+def bind_pool(gm: fx.GraphModule, example_inputs, pool) -> None:
+    """Record in gm.meta which placeholders are which layer of `pool` (POOL_INPUTS)."""
+    caches = [pool.cache(i) for i in range(pool.num_layers)]
+    gm.meta[POOL_INPUTS] = (pool, {node.name: layer for node, layer in pool_inputs(gm.graph, example_inputs, caches).items()})
+
+
+def check_cache_use(graph: fx.Graph, example_inputs, caches: list[torch.Tensor]) -> None:
+    pool_nodes = set(pool_inputs(graph, example_inputs, caches))
     for node in pool_nodes:
         for user in node.users:
             if user.op != "call_function" or user.target not in CANONICAL:

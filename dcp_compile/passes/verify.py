@@ -80,6 +80,8 @@ class _SharedFakeTensorProp(FakeTensorProp):
             return None
 
     def run_node(self, n: fx.Node):
+        if n.op == "get_attr" and is_fake_result(n.meta.get("val")):
+            return n.meta["val"]  # a real tensor the graph reads (a lowering's KV parts): its fake value
         key = self._key(n)
         hit = self._results.get(key) if key is not None else None
         if hit is not None:

@@ -10,6 +10,10 @@ from torch import nn
 from dcp_compile.runtime import layout
 
 SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KV_LAYOUTS = ("packed", "split")
+"""packed: one [rows, R + P] tensor per layer. split: latent [rows, R] and rope [rows, P], two
+contiguous tensors per layer, as a kernel that takes them as two inputs needs them (Ascend FIA,
+docs/ascend.md §11.1). A kernel back end chooses (Lowering.kv_layout)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,11 @@ class MLAKVPool(nn.Module):
 
     Unsharded, rows == capacity. `reshard` keeps the rows per rank (the memory) and grows the
     logical capacity N-fold, or keeps the capacity and shrinks the rows.
+
+    In the split layout (`use_layout('split')`) a layer's rows live in two tensors, `parts(i)`;
+    `cache(i)`, the tensor the model hands the canonical ops, then holds no memory of its own (a
+    [rows, R + P] expansion of one element) and the back end's passes read and write the parts:
+    a write into it fails, so nothing reaches the pool through it unseen.
     """
 
     def __init__(self, num_layers: int, capacity: int, kv_lora_rank: int, rope_dim: int,
@@ -66,21 +75,63 @@ class MLAKVPool(nn.Module):
         self.dcp_size, self.dcp_rank, self.interleave = 1, 0, 1
         self.unsharded_rows = capacity
         self.capacity = capacity
+        self.layout = "packed"
         self._allocate(capacity)
 
     def _allocate(self, rows: int) -> None:
         self.rows_per_rank = rows
         for i in range(self.num_layers):
-            self.register_buffer(f"layer_{i}", torch.zeros(rows, self.row_dim, dtype=self.dtype, device=self.device), persistent=False)
+            for name in (f"layer_{i}_latent", f"layer_{i}_rope"):
+                if hasattr(self, name):
+                    delattr(self, name)
+            if self.layout == "packed":
+                cache = torch.zeros(rows, self.row_dim, dtype=self.dtype, device=self.device)
+            else:
+                for name, width in ((f"layer_{i}_latent", self.kv_lora_rank), (f"layer_{i}_rope", self.rope_dim)):
+                    self.register_buffer(name, torch.zeros(rows, width, dtype=self.dtype, device=self.device),
+                                         persistent=False)
+                cache = torch.zeros(1, 1, dtype=self.dtype, device=self.device).expand(rows, self.row_dim)
+            self.register_buffer(f"layer_{i}", cache, persistent=False)
+
+    def use_layout(self, layout: str) -> None:
+        """Hold each layer as `layout` (KV_LAYOUTS): reallocates, so only before any KV is written."""
+        if layout not in KV_LAYOUTS:
+            raise ValueError(f"unknown KV layout {layout!r}; choose one of {KV_LAYOUTS}")
+        if layout == self.layout:
+            return
+        if self.holds_kv():
+            raise RuntimeError("the KV pool already holds KV: its layout can change only before the first write")
+        self.layout = layout
+        self._allocate(self.rows_per_rank)
 
     def cache(self, layer: int) -> torch.Tensor:
+        """The [rows, R + P] tensor the model passes to the canonical ops (in the split layout, one
+        without memory: see the class docstring)."""
         return getattr(self, f"layer_{layer}")
+
+    def parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's latent rows [rows, R] and rope rows [rows, P]: views of the packed cache, or
+        the split layout's two tensors."""
+        if self.layout == "packed":
+            cache = self.cache(layer)
+            return cache[:, :self.kv_lora_rank], cache[:, self.kv_lora_rank:]
+        return getattr(self, f"layer_{layer}_latent"), getattr(self, f"layer_{layer}_rope")
+
+    def rows(self, layer: int) -> torch.Tensor:
+        """A layer's [rows, R + P] contents, in either layout (a copy in the split one), to inspect."""
+        return self.cache(layer) if self.layout == "packed" else torch.cat(self.parts(layer), dim=-1)
+
+    def storage(self) -> list[torch.Tensor]:
+        """Every tensor that holds the pool's KV (what a captured graph reads and writes)."""
+        if self.layout == "packed":
+            return [self.cache(i) for i in range(self.num_layers)]
+        return [part for i in range(self.num_layers) for part in self.parts(i)]
 
     def holds_kv(self) -> bool:
         """Whether any row was written (a fresh pool is all zeros). One pass over the pool."""
         if self.device.type == "meta":
             return False
-        return any(bool(self.cache(i).any()) for i in range(self.num_layers))
+        return any(bool(t.any()) for t in self.storage())
 
     def reshard(self, dcp_size: int, dcp_rank: int, interleave: int = 1, keep: str = "memory") -> None:
         """Reallocate as rank `dcp_rank`'s shard. Contents would be dropped, so a pool that holds

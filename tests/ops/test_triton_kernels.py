@@ -371,6 +371,62 @@ def test_window_attention_completes_the_prefix_to_causal_attention(dcp_size, int
     _assert_attention_close(got, reference.partial_attention(*args, SCALE), tolerance)
 
 
+def _split(cache, rank_dim):
+    """The split layout of a packed cache: contiguous latent [rows, R] and rope [rows, P]."""
+    return cache[:, :rank_dim].contiguous(), cache[:, rank_dim:].contiguous()
+
+
+@pytest.mark.parametrize("dcp_size,interleave,rank", [(1, 1, 0), (2, 1, 1), (4, 2, 2)])
+def test_split_cache_kernels_equal_the_packed_ones_bit_for_bit(dcp_size, interleave, rank):
+    """The writer, partial attention and window attention read and write a split cache (latent
+    and rope in two tensors) exactly as they do the packed rows (docs/ascend.md §11.1)."""
+    rank_dim, rope_dim = 48, 16
+    args = _local_attention_inputs(LENGTHS, [min(3, max(n, 1)) for n in LENGTHS], dcp_size, interleave, rank,
+                                   heads=6, rank_dim=rank_dim, rope_dim=rope_dim, dtype=torch.bfloat16,
+                                   table_dtype=torch.int32, seed=8100 + rank)
+    packed = args[2]
+    latent, rope = _split(packed, rank_dim)
+    split_args = (*args[:2], latent, *args[3:])
+    _assert_bitwise_equal(attention.partial_attention(*split_args, SCALE, rope_cache=rope)[0],
+                          attention.partial_attention(*args, SCALE)[0])
+    _assert_bitwise_equal(attention.partial_attention(*split_args, SCALE, rope_cache=rope)[1],
+                          attention.partial_attention(*args, SCALE)[1])
+    prefix_out, prefix_lse = _prefix_partials(args)
+    got = triton_kernels.window_attention(prefix_out, prefix_lse, *split_args, SCALE, 8, rope_cache=rope)
+    want = triton_kernels.window_attention(prefix_out, prefix_lse, *args, SCALE, 8)
+    for a, b in zip(got, want):
+        _assert_bitwise_equal(a, b)
+    for a, b in zip(reference.window_attention(prefix_out, prefix_lse, *split_args, SCALE, 8, rope_cache=rope),
+                    reference.window_attention(prefix_out, prefix_lse, *args, SCALE, 8)):
+        _assert_bitwise_equal(a, b)
+    gen = _generator(8200 + rank)
+    capacity = layout.logical_capacity(packed.shape[0], dcp_size, interleave)
+    tokens = 20
+    loc = _distinct_locations(tokens, capacity, gen)
+    loc[::4] = layout.PADDING_LOC
+    new_latent = torch.randn(tokens, rank_dim, generator=gen).bfloat16()
+    new_rope = torch.randn(tokens, rope_dim, generator=gen).bfloat16()
+    expected = packed.clone()
+    triton_kernels.kv_write(expected, new_latent, new_rope, loc, rank, dcp_size, interleave)
+    triton_kernels.kv_write(latent, new_latent, new_rope, loc, rank, dcp_size, interleave, rope_cache=rope)
+    _assert_bitwise_equal(torch.cat([latent, rope], dim=-1), expected)
+    ref_latent, ref_rope = _split(packed, rank_dim)
+    reference.kv_write(ref_latent, new_latent, new_rope, loc, rank, dcp_size, interleave, rope_cache=ref_rope)
+    _assert_bitwise_equal(torch.cat([ref_latent, ref_rope], dim=-1), expected)
+    gathered = reference.gather_local_rows(latent, args[3], args[4], rope_cache=rope)
+    _assert_bitwise_equal(gathered, reference.gather_local_rows(expected, args[3], args[4]))
+
+
+def test_a_split_cache_of_the_wrong_shape_is_an_error():
+    args = _local_attention_inputs([3, 5], [1, 1], 1, 1, 0, heads=2, rank_dim=16, rope_dim=16, dtype=torch.float32,
+                                   table_dtype=torch.int32, seed=8300)
+    latent, rope = _split(args[2], 16)
+    with pytest.raises(ValueError, match="a split KV cache is kv_cache \\[rows, R\\]"):
+        attention.partial_attention(*args[:2], latent, *args[3:], SCALE, rope_cache=rope[:-1])
+    with pytest.raises(ValueError, match="a split KV cache"):
+        triton_kernels.kv_write(args[2], args[0][:, 0], args[1][:, 0], torch.tensor([1]), rope_cache=rope)
+
+
 def test_window_attention_without_queries():
     args = _local_attention_inputs([3], [1], 1, 1, 0, heads=2, rank_dim=16, rope_dim=16, dtype=torch.float32,
                                    table_dtype=torch.int64, seed=5)

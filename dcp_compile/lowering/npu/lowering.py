@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.lowering.base import Lowering
+from dcp_compile.lowering.kv_layout import SplitKVCache
 from dcp_compile.lowering.npu.feed import FIAFeed
 from dcp_compile.lowering.npu.lower_attention import MAX_UPDATE_SHARDS, LowerNPUAttention, fia_block_size, padded_heads
 from dcp_compile.ops.targets import WINDOW_QUERIES
@@ -21,6 +22,7 @@ class NPULowering(Lowering):
     description = "Ascend FIA + npu_attention_update (torch_npu; CPU stand-ins without it), Triton for the rest"
     window = WINDOW_QUERIES
     plans_on_host = True
+    kv_layout = "split"  # FIA copies strided key views whole (docs/ascend.md §11.1)
     model_dims = (512, 64)  # FIA's MLA path (docs/ascend.md §4.1)
     dtypes = (torch.bfloat16, torch.float16)  # docs/ascend.md §4.6
     baseline = "npu"  # the stand-in's bf16 FIA rounds unlike the reference: compare FIA with FIA
@@ -63,7 +65,8 @@ class NPULowering(Lowering):
         fia_block_size(page_size, dcp_size, interleave)
 
     def passes(self) -> list:
-        return [LowerNPUAttention(), LowerKernels(devices=("npu",))]
+        # meta: what the dump captures; its graphs show the kernels an NPU runs.
+        return [LowerNPUAttention(), LowerKernels(devices=("npu", "meta")), SplitKVCache()]
 
     def host_feed(self, gm: fx.GraphModule, dcp_rank: int):
         return FIAFeed(gm, dcp_rank) if host_placeholders(gm.graph) else None

@@ -22,6 +22,8 @@ Kernel behaviours that callers rely on and that the stand-ins reproduce:
 - A request with actual_seq_lengths_kv == 0 gets attention_out 0 and softmax_lse +inf (inferred
   for CANN >= 8.5's MLA kernel, §7.2), and npu_attention_update reads an lse of +inf as -inf (§7.3).
 - A row whose every lse is -inf merges to NaN, as the kernel's arithmetic gives (§7.4).
+- A strided key, value or key_rope is copied whole before the kernel (AutoContiguous, §11.1):
+  the stand-in counts those copies in `contiguous_copies`.
 
 Planted deviations (`DCP_COMPILE_STANDIN_PLANT=NAME`, read at every call, so spawned ranks see it
 too) make a stand-in depart from one fact on purpose: the tests of what relies on that fact, and
@@ -496,9 +498,21 @@ def _softmax_lse_shape(args: FiaArgs) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
+AUTO_CONTIGUOUS = ("key", "value", "key_rope")
+"""FIA inputs the op definition marks AutoContiguous (docs/ascend.md §11.1) that the stand-in
+takes strided: the framework copies them whole before the kernel runs."""
+contiguous_copies: list[tuple[str, int]] = []
+"""(argument, bytes) of every copy that framework step would make, in call order: read it to
+see what a lowering's FIA calls cost in copies; clear it at will."""
+
+
 def _fia_kernel(query, key, value, **keyword_args):
     args = bind_fia_args(query, key, value, keyword_args)
     plan = validate_fia(args)
+    for name in AUTO_CONTIGUOUS:
+        tensor = getattr(args, name)
+        if tensor is not None and not tensor.is_contiguous():
+            contiguous_copies.append((name, tensor.numel() * tensor.element_size()))
     return _compute_fia(args, plan)
 
 

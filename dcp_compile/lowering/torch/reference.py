@@ -77,8 +77,17 @@ def _raise_bad_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity: int, 
                          f"location {int(out_loc[token])}: a real row's seq_len counts its tokens, this step's included")
 
 
-def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, interleave: int = 1) -> None:
-    """Write [latent | rope] for each token whose location this rank owns; skip location 0.
+def cache_rows(kv_cache, rope_cache, index):
+    """Rows [..., R + P] of the cache at `index`: of the packed kv_cache [rows, R + P], or of the
+    split layout's latent kv_cache [rows, R] and rope_cache [rows, P] (docs/ascend.md §11.1)."""
+    rows = kv_cache[index]
+    return rows if rope_cache is None else torch.cat([rows, rope_cache[index]], dim=-1)
+
+
+def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, interleave: int = 1,
+             rope_cache=None) -> None:
+    """Write [latent | rope] for each token whose location this rank owns; skip location 0. With
+    rope_cache, kv_cache holds the latent part [rows, R] and rope_cache the rope part [rows, P].
 
     Every rank checks every location, not only those it owns: a location outside the pool (-1
     would otherwise wrap to the last row) fails the step on all ranks of the group at the same
@@ -86,7 +95,11 @@ def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, 
     check_write_locations(loc, kv_cache.shape[0], dcp_size, interleave)
     keep = (loc != layout.PADDING_LOC) & (layout.owner(loc, dcp_size, interleave) == dcp_rank)
     rows = layout.local_row(loc[keep], dcp_size, interleave)
-    kv_cache[rows] = torch.cat([latent[keep], rope[keep]], dim=-1).to(kv_cache.dtype)
+    if rope_cache is None:
+        kv_cache[rows] = torch.cat([latent[keep], rope[keep]], dim=-1).to(kv_cache.dtype)
+    else:
+        kv_cache[rows] = latent[keep].to(kv_cache.dtype)
+        rope_cache[rows] = rope[keep].to(rope_cache.dtype)
 
 
 def local_metadata(req_to_token, seq_lens, dcp_rank: int, dcp_size: int, interleave: int):
@@ -94,8 +107,9 @@ def local_metadata(req_to_token, seq_lens, dcp_rank: int, dcp_size: int, interle
     return layout.local_view(req_to_token, seq_lens, dcp_rank, dcp_size, interleave)
 
 
-def partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, sm_scale: float):
-    """Causal MLA attention of each query over its request's rows of `kv_cache`.
+def partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, sm_scale: float,
+                      rope_cache=None):
+    """Causal MLA attention of each query over its request's rows of `kv_cache` (cache_rows).
 
     A query at global position p sees keys whose global position is <= p. Returns
     out [T, H, R] in q's dtype and lse [T, H] in fp32 (natural log). A query that sees no key
@@ -110,7 +124,7 @@ def partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_posi
         length = int(seq_lens[b])
         if length == 0:
             continue
-        rows = kv_cache[page_table[b, :length].long()].float()
+        rows = cache_rows(kv_cache, rope_cache, page_table[b, :length].long()).float()
         k_latent, k_rope = rows[:, :rank_dim], rows[:, rank_dim:]
         idx = (q_seq_ids == b).nonzero().squeeze(1)
         scores = torch.einsum("thr,lr->thl", q_latent[idx].float(), k_latent)
@@ -184,11 +198,11 @@ NEVER_VISIBLE = torch.iinfo(torch.int32).max
 """Key position given to padding entries so that no query's causal mask admits them."""
 
 
-def gather_local_rows(kv_cache, local_req_to_token, local_seq_lens):
+def gather_local_rows(kv_cache, local_req_to_token, local_seq_lens, rope_cache=None):
     """This rank's cache rows for the batch, compacted to [B, L, D]; zeros past each local length."""
     width = local_req_to_token.shape[1]
     valid = torch.arange(width, device=kv_cache.device)[None, :] < local_seq_lens[:, None]
-    rows = kv_cache[local_req_to_token.long()]
+    rows = cache_rows(kv_cache, rope_cache, local_req_to_token.long())
     return torch.where(valid[..., None], rows, torch.zeros((), dtype=kv_cache.dtype))
 
 
@@ -273,7 +287,7 @@ def prefix_key_counts(local_lens, key_positions, q_seq_ids, q_positions, whole_r
 
 
 def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions,
-                     q_seq_ids, q_positions, sm_scale: float, window: int):
+                     q_seq_ids, q_positions, sm_scale: float, window: int, rope_cache=None):
     """Complete attention over a row's keys before its first query (out_prefix, lse_prefix, from
     a paged kernel without a mask) with the row's keys at or after that position, merged by LSE.
 
@@ -292,7 +306,7 @@ def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_ta
     positions = key_positions.reshape(-1)[flat]
     first = first_query_positions(q_seq_ids, q_positions, seq_lens.shape[0]).index_select(0, q_seq_ids)
     visible = in_table & (positions >= first[:, None]) & (positions <= q_positions[:, None])
-    keys = kv_cache[rows.long()].float()
+    keys = cache_rows(kv_cache, rope_cache, rows.long()).float()
     scores = torch.einsum("thr,twr->thw", q_latent.float(), keys[..., :rank_dim])
     scores = (scores + torch.einsum("thp,twp->thw", q_rope.float(), keys[..., rank_dim:])) * sm_scale
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))

@@ -28,6 +28,7 @@ import triton.language as tl
 from dcp_compile.lowering.triton.attention_tiling import AttentionTiling, choose_tiling
 from dcp_compile.lowering.triton.launching import (
     block_size,
+    cache_parts,
     check_float,
     check_index,
     check_same_device,
@@ -49,12 +50,13 @@ def _keys_per_split(seq_len, width, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["tokens", "heads", "width", "num_splits", "head_tiles"])
 def _attend_splits_kernel(
-    q_latent_ptr, q_rope_ptr, kv_cache_ptr, page_table_ptr, seq_lens_ptr, key_positions_ptr,
+    q_latent_ptr, q_rope_ptr, latent_cache_ptr, rope_cache_ptr, page_table_ptr, seq_lens_ptr, key_positions_ptr,
     q_seq_ids_ptr, q_positions_ptr, split_out_ptr, split_lse_ptr,
     tokens, heads, width, num_splits, head_tiles, scale_log2,
     stride_q_latent_token, stride_q_latent_head, stride_q_latent_col,
     stride_q_rope_token, stride_q_rope_head, stride_q_rope_col,
-    stride_cache_row, stride_cache_col,
+    stride_latent_cache_row, stride_latent_cache_col,
+    stride_rope_cache_row, stride_rope_cache_col,
     stride_table_req, stride_table_col,
     stride_seq_lens,
     stride_key_positions_req, stride_key_positions_col,
@@ -107,10 +109,11 @@ def _attend_splits_kernel(
                 key_position = tl.load(key_positions_row + key * stride_key_positions_col,
                                        mask=key_mask, other=0).to(tl.int64)
                 visible = key_mask & (key_position <= query_position)
-                row_ptr = kv_cache_ptr + row * stride_cache_row
-                k_latent = tl.load(row_ptr[:, None] + latent_cols[None, :] * stride_cache_col,
+                latent_row_ptr = latent_cache_ptr + row * stride_latent_cache_row
+                rope_row_ptr = rope_cache_ptr + row * stride_rope_cache_row
+                k_latent = tl.load(latent_row_ptr[:, None] + latent_cols[None, :] * stride_latent_cache_col,
                                    mask=key_mask[:, None] & latent_mask[None, :], other=0.0).to(OPERAND_DTYPE)
-                k_rope = tl.load(row_ptr[:, None] + (RANK_DIM + rope_cols)[None, :] * stride_cache_col,
+                k_rope = tl.load(rope_row_ptr[:, None] + rope_cols[None, :] * stride_rope_cache_col,
                                  mask=key_mask[:, None] & rope_mask[None, :], other=0.0).to(OPERAND_DTYPE)
                 scores = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
                 scores = tl.dot(q_latent, tl.trans(k_latent), scores, input_precision=DOT_PRECISION)
@@ -183,8 +186,9 @@ def split_workspace(tokens: int, num_splits: int, heads: int, rank_dim: int, dev
             torch.empty((tokens, num_splits, heads), dtype=torch.float32, device=device))
 
 
-def _check_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions):
-    for name, tensor in (("q_latent", q_latent), ("q_rope", q_rope), ("kv_cache", kv_cache)):
+def _check_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, rope_cache=None):
+    """The cache's (latent, rope) parts (launching.cache_parts), after checking every input."""
+    for name, tensor in (("q_latent", q_latent), ("q_rope", q_rope)):
         check_float(name, tensor)
     for name, tensor in (("page_table", page_table), ("seq_lens", seq_lens), ("key_positions", key_positions),
                          ("q_seq_ids", q_seq_ids), ("q_positions", q_positions)):
@@ -196,24 +200,26 @@ def _check_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, key_position
                          f"{tuple(q_latent.shape)} and {tuple(q_rope.shape)}")
     tokens, _, rank_dim = q_latent.shape
     rope_dim = q_rope.shape[2]
-    if kv_cache.dim() != 2 or kv_cache.shape[1] != rank_dim + rope_dim:
-        raise ValueError(f"kv_cache must be [rows, R + P] = [rows, {rank_dim + rope_dim}], got {tuple(kv_cache.shape)}")
+    parts = cache_parts(kv_cache, rope_cache, rank_dim, rope_dim)
     if page_table.dim() != 2 or key_positions.shape != page_table.shape or seq_lens.shape != page_table.shape[:1]:
         raise ValueError(f"page_table and key_positions must be [B, L] and seq_lens [B]; got {tuple(page_table.shape)}, "
                          f"{tuple(key_positions.shape)}, {tuple(seq_lens.shape)}")
     if q_seq_ids.shape != (tokens,) or q_positions.shape != (tokens,):
         raise ValueError(f"q_seq_ids and q_positions must be [T] = [{tokens}]; got {tuple(q_seq_ids.shape)}, "
                          f"{tuple(q_positions.shape)}")
+    return parts
 
 
 def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions,
-                           sm_scale: float, out, lse, tiling: AttentionTiling | None = None, workspace=None) -> None:
+                           sm_scale: float, out, lse, tiling: AttentionTiling | None = None, workspace=None,
+                           rope_cache=None) -> None:
     """`partial_attention` writing into out [T, H, R] and lse [T, H].
 
     `tiling` overrides the heuristic (benchmarks sweep it); `workspace` is the pair from
     `split_workspace` for tiling.num_splits, for callers that keep static buffers.
     """
-    _check_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions)
+    latent_cache, rope_part = _check_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids,
+                                            q_positions, rope_cache)
     tokens, heads, rank_dim = q_latent.shape
     rope_dim = q_rope.shape[2]
     width = page_table.shape[1]
@@ -233,11 +239,12 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
     # precision: the default TF32 would miss the reference by 1e-3.
     dot_in_fp32 = kv_cache.dtype == torch.float32 or is_interpreted(_attend_splits_kernel)
     _attend_splits_kernel[grid_for(tokens * tiling.num_splits * head_tiles)](
-        q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, split_out, split_lse,
-        tokens, heads, width, tiling.num_splits, head_tiles, sm_scale / _LN2,
+        q_latent, q_rope, latent_cache, rope_part, page_table, seq_lens, key_positions, q_seq_ids, q_positions, split_out,
+        split_lse, tokens, heads, width, tiling.num_splits, head_tiles, sm_scale / _LN2,
         q_latent.stride(0), q_latent.stride(1), q_latent.stride(2),
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
+        latent_cache.stride(0), latent_cache.stride(1),
+        rope_part.stride(0), rope_part.stride(1),
         page_table.stride(0), page_table.stride(1),
         seq_lens.stride(0),
         key_positions.stride(0), key_positions.stride(1),
@@ -264,7 +271,7 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
 
 
 def partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions,
-                      sm_scale: float):
+                      sm_scale: float, rope_cache=None):
     """Causal MLA attention of each query over its request's rows of `kv_cache`.
 
     Returns out [T, H, R] in q's dtype and lse [T, H] in fp32 (natural log); a query that sees no
@@ -275,5 +282,5 @@ def partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_posi
     out = torch.empty((tokens, heads, rank_dim), dtype=q_latent.dtype, device=q_latent.device)
     lse = torch.empty((tokens, heads), dtype=torch.float32, device=q_latent.device)
     partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions,
-                           sm_scale, out, lse)
+                           sm_scale, out, lse, rope_cache=rope_cache)
     return out, lse

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_compile.lowering.triton.launching import block_size, check_float, check_index, check_same_device, grid_for
+from dcp_compile.lowering.triton.launching import (block_size, cache_parts, check_float, check_index, check_same_device,
+                                                   grid_for)
 from dcp_compile.runtime import guards, layout
 
 
@@ -26,9 +27,10 @@ def location_error_flag(device: torch.device) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["tokens", "dcp_rank", "capacity"])
 def _kv_write_kernel(
-    kv_cache_ptr, latent_ptr, rope_ptr, loc_ptr, error_ptr,
+    latent_cache_ptr, rope_cache_ptr, latent_ptr, rope_ptr, loc_ptr, error_ptr,
     tokens, dcp_rank, dcp_size, interleave, capacity,
-    stride_cache_row, stride_cache_col,
+    stride_latent_cache_row, stride_latent_cache_col,
+    stride_rope_cache_row, stride_rope_cache_col,
     stride_latent_token, stride_latent_col,
     stride_rope_token, stride_rope_col,
     stride_loc,
@@ -49,33 +51,30 @@ def _kv_write_kernel(
         owned = (loc > 0) & (loc < capacity) & ((loc // interleave) % dcp_size == dcp_rank)
         if owned:
             row = (loc // (interleave * dcp_size)) * interleave + loc % interleave
-            row_ptr = kv_cache_ptr + row * stride_cache_row
             # Through fp32 so every source/cache dtype pair converts with one rounding, as torch's
             # .to() does.
             latent = tl.load(latent_ptr + token_index * stride_latent_token + latent_cols * stride_latent_col,
                              mask=latent_mask).to(tl.float32)
             rope = tl.load(rope_ptr + token_index * stride_rope_token + rope_cols * stride_rope_col,
                            mask=rope_mask).to(tl.float32)
-            tl.store(row_ptr + latent_cols * stride_cache_col,
-                     latent.to(kv_cache_ptr.dtype.element_ty), mask=latent_mask)
-            tl.store(row_ptr + (RANK_DIM + rope_cols) * stride_cache_col,
-                     rope.to(kv_cache_ptr.dtype.element_ty), mask=rope_mask)
+            tl.store(latent_cache_ptr + row * stride_latent_cache_row + latent_cols * stride_latent_cache_col,
+                     latent.to(latent_cache_ptr.dtype.element_ty), mask=latent_mask)
+            tl.store(rope_cache_ptr + row * stride_rope_cache_row + rope_cols * stride_rope_cache_col,
+                     rope.to(rope_cache_ptr.dtype.element_ty), mask=rope_mask)
 
 
-def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, interleave: int = 1) -> None:
-    """Write [latent | rope] for each token whose location this rank owns; skip location 0."""
+def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, interleave: int = 1,
+             rope_cache=None) -> None:
+    """Write [latent | rope] for each token whose location this rank owns; skip location 0. With
+    rope_cache (the split layout), latent goes to kv_cache [rows, R] and rope to rope_cache."""
     layout.validate(dcp_size, dcp_rank, interleave)
-    check_float("kv_cache", kv_cache)
     check_float("latent", latent)
     check_float("rope", rope)
     check_index("loc", loc)
     check_same_device(kv_cache=kv_cache, latent=latent, rope=rope, loc=loc)
     tokens, rank_dim = latent.shape
     rope_dim = rope.shape[1]
-    if kv_cache.dim() != 2 or kv_cache.shape[1] != rank_dim + rope_dim:
-        raise ValueError(
-            f"kv_cache must be [rows, R + P] = [rows, {rank_dim} + {rope_dim}], got {tuple(kv_cache.shape)}"
-        )
+    latent_cache, rope_part = cache_parts(kv_cache, rope_cache, rank_dim, rope_dim)
     if rope.shape[0] != tokens or loc.shape != (tokens,):
         raise ValueError(
             f"latent [T, R], rope [T, P] and loc [T] must agree on T; got {tuple(latent.shape)}, "
@@ -84,9 +83,10 @@ def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, 
     if tokens == 0:
         return
     _kv_write_kernel[grid_for(tokens)](
-        kv_cache, latent, rope, loc, location_error_flag(kv_cache.device),
+        latent_cache, rope_part, latent, rope, loc, location_error_flag(kv_cache.device),
         tokens, dcp_rank, dcp_size, interleave, layout.logical_capacity(kv_cache.shape[0], dcp_size, interleave),
-        kv_cache.stride(0), kv_cache.stride(1),
+        latent_cache.stride(0), latent_cache.stride(1),
+        rope_part.stride(0), rope_part.stride(1),
         latent.stride(0), latent.stride(1),
         rope.stride(0), rope.stride(1),
         loc.stride(0),

@@ -62,3 +62,23 @@ def is_interpreted(kernel) -> bool:
     except ImportError:  # a triton build without the interpreter
         return False
     return isinstance(kernel, InterpretedFunction)
+
+
+def cache_parts(kv_cache: torch.Tensor, rope_cache: torch.Tensor | None, rank_dim: int, rope_dim: int):
+    """(latent rows [rows, R], rope rows [rows, P]) of a KV cache: views of the packed
+    kv_cache [rows, R + P], or the split layout's kv_cache [rows, R] and rope_cache [rows, P].
+    Kernels address the two parts through their own pointers and strides, so one kernel serves
+    both layouts."""
+    check_float("kv_cache", kv_cache)
+    if rope_cache is None:
+        if kv_cache.dim() != 2 or kv_cache.shape[1] != rank_dim + rope_dim:
+            raise ValueError(f"kv_cache must be [rows, R + P] = [rows, {rank_dim} + {rope_dim}], got {tuple(kv_cache.shape)}")
+        return kv_cache, kv_cache[:, rank_dim:]
+    check_float("rope_cache", rope_cache)
+    check_same_device(kv_cache=kv_cache, rope_cache=rope_cache)
+    if kv_cache.dim() != 2 or rope_cache.dim() != 2 or kv_cache.shape != (rope_cache.shape[0], rank_dim) \
+            or rope_cache.shape[1] != rope_dim or kv_cache.dtype != rope_cache.dtype:
+        raise ValueError(f"a split KV cache is kv_cache [rows, R] = [rows, {rank_dim}] and rope_cache [rows, P] = "
+                         f"[rows, {rope_dim}] of one dtype, got {tuple(kv_cache.shape)} {kv_cache.dtype} and "
+                         f"{tuple(rope_cache.shape)} {rope_cache.dtype}")
+    return kv_cache, rope_cache

@@ -20,6 +20,7 @@ import triton.language as tl
 from dcp_compile.lowering.torch.reference import first_query_positions
 from dcp_compile.lowering.triton.launching import (
     block_size,
+    cache_parts,
     check_float,
     check_index,
     check_same_device,
@@ -33,14 +34,15 @@ MAX_BLOCK_H = 16
 
 @triton.jit(do_not_specialize=["tokens", "heads", "width", "window", "head_tiles"])
 def _window_kernel(
-    out_prefix_ptr, lse_prefix_ptr, q_latent_ptr, q_rope_ptr, kv_cache_ptr, page_table_ptr, seq_lens_ptr,
+    out_prefix_ptr, lse_prefix_ptr, q_latent_ptr, q_rope_ptr, latent_cache_ptr, rope_cache_ptr, page_table_ptr, seq_lens_ptr,
     key_positions_ptr, q_seq_ids_ptr, q_positions_ptr, first_ptr, out_ptr, lse_ptr,
     tokens, heads, width, window, head_tiles, sm_scale,
     stride_prefix_token, stride_prefix_head, stride_prefix_col,
     stride_lse_prefix_token, stride_lse_prefix_head,
     stride_q_latent_token, stride_q_latent_head, stride_q_latent_col,
     stride_q_rope_token, stride_q_rope_head, stride_q_rope_col,
-    stride_cache_row, stride_cache_col,
+    stride_latent_cache_row, stride_latent_cache_col,
+    stride_rope_cache_row, stride_rope_cache_col,
     stride_table_req, stride_table_col,
     stride_seq_lens,
     stride_key_positions_req, stride_key_positions_col,
@@ -70,10 +72,11 @@ def _window_kernel(
         key_position = tl.load(key_positions_ptr + request * stride_key_positions_req + column * stride_key_positions_col,
                                mask=in_table, other=0).to(tl.int64)
         visible = in_table & (key_position >= first) & (key_position <= query_position)
-        row_ptr = kv_cache_ptr + row * stride_cache_row
-        k_latent = tl.load(row_ptr[:, None] + latent_cols[None, :] * stride_cache_col,
+        latent_row_ptr = latent_cache_ptr + row * stride_latent_cache_row
+        rope_row_ptr = rope_cache_ptr + row * stride_rope_cache_row
+        k_latent = tl.load(latent_row_ptr[:, None] + latent_cols[None, :] * stride_latent_cache_col,
                            mask=visible[:, None] & latent_mask[None, :], other=0.0).to(OPERAND_DTYPE)
-        k_rope = tl.load(row_ptr[:, None] + (RANK_DIM + rope_cols)[None, :] * stride_cache_col,
+        k_rope = tl.load(rope_row_ptr[:, None] + rope_cols[None, :] * stride_rope_cache_col,
                          mask=visible[:, None] & rope_mask[None, :], other=0.0).to(OPERAND_DTYPE)
 
         head = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -116,9 +119,9 @@ def _window_kernel(
 
 
 def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions,
-                     q_seq_ids, q_positions, sm_scale: float, window: int):
+                     q_seq_ids, q_positions, sm_scale: float, window: int, rope_cache=None):
     """Returns (out [T, H, R] in q's dtype, lse [T, H] fp32), as `reference.window_attention`."""
-    for name, tensor in (("out_prefix", out_prefix), ("q_latent", q_latent), ("q_rope", q_rope), ("kv_cache", kv_cache)):
+    for name, tensor in (("out_prefix", out_prefix), ("q_latent", q_latent), ("q_rope", q_rope)):
         check_float(name, tensor)
     for name, tensor in (("page_table", page_table), ("seq_lens", seq_lens), ("key_positions", key_positions),
                          ("q_seq_ids", q_seq_ids), ("q_positions", q_positions)):
@@ -128,9 +131,10 @@ def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_ta
     tokens, heads, rank_dim = q_latent.shape
     rope_dim = q_rope.shape[2]
     rows, width = page_table.shape
-    if out_prefix.shape != q_latent.shape or lse_prefix.shape != (tokens, heads) or kv_cache.shape[1] != rank_dim + rope_dim:
+    latent_cache, rope_part = cache_parts(kv_cache, rope_cache, rank_dim, rope_dim)
+    if out_prefix.shape != q_latent.shape or lse_prefix.shape != (tokens, heads):
         raise ValueError(f"window_attention: out_prefix {tuple(out_prefix.shape)} and lse_prefix {tuple(lse_prefix.shape)} "
-                         f"must be [T, H, R] and [T, H] for q {tuple(q_latent.shape)}, and kv_cache [rows, R + P]")
+                         f"must be [T, H, R] and [T, H] for q {tuple(q_latent.shape)}")
     if not 1 <= window <= 64:
         raise ValueError(f"window_attention serves windows of 1 to 64 keys, got {window}")
     out = torch.empty_like(q_latent)
@@ -142,14 +146,15 @@ def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_ta
     head_tiles = triton.cdiv(heads, block_h)
     dot_in_fp32 = kv_cache.dtype == torch.float32 or is_interpreted(_window_kernel)
     _window_kernel[grid_for(tokens * head_tiles)](
-        out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions,
-        first, out, lse,
+        out_prefix, lse_prefix, q_latent, q_rope, latent_cache, rope_part, page_table, seq_lens, key_positions, q_seq_ids,
+        q_positions, first, out, lse,
         tokens, heads, width, window, head_tiles, sm_scale,
         out_prefix.stride(0), out_prefix.stride(1), out_prefix.stride(2),
         lse_prefix.stride(0), lse_prefix.stride(1),
         q_latent.stride(0), q_latent.stride(1), q_latent.stride(2),
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
+        latent_cache.stride(0), latent_cache.stride(1),
+        rope_part.stride(0), rope_part.stride(1),
         page_table.stride(0), page_table.stride(1),
         seq_lens.stride(0),
         key_positions.stride(0), key_positions.stride(1),
