@@ -1,0 +1,509 @@
+"""What only Ascend hardware can settle: each fact the NPU lowering relies on, checked on the real
+ops against the torch reference, one by one, with the measured values.
+
+    python bench/npu_facts.py --json --out npu_facts.json          # on an Ascend NPU (torch_npu, CANN)
+    python bench/npu_facts.py --standin --json                     # the stand-ins, on the emulated npu device
+    python bench/npu_facts.py --standin --plant empty-shard-lse    # a stand-in departs from one fact: FAIL, exit 1
+
+It prints a table of PASS, FAIL or SKIP per fact and, with --json, ends with one JSON line (also
+written to --out). The exit status is 1 when any fact FAILs. Every check compares the op with
+dcp_compile's torch reference (or the documented value), never with the stand-in; `--standin`
+runs the same checks on the stand-ins (DCP_COMPILE_NPU_EMULATOR=1 is set for you) to check the
+probe itself, and `--plant NAME` makes a stand-in depart from one fact on purpose
+(dcp_compile.lowering.npu.standin.PLANTS), which the probe must report. The facts and their
+sources: docs/ascend.md; what the lowering does with them: docs/paged-lowerings.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from dcp_compile.lowering.torch import reference  # noqa: E402
+
+HEADS, LATENT, ROPE = 8, 512, 64
+SCALE = 1.0 / math.sqrt(LATENT + ROPE)
+TOLERANCE = dict(atol=2e-2, rtol=2e-2)  # bf16 inputs, fp32 accumulation
+LSE_TOLERANCE = dict(atol=2e-3, rtol=1e-4)
+STANDIN = False
+"""Set by --standin: smaller shapes where a shape only matters for timing."""
+
+
+@dataclass
+class Fact:
+    name: str
+    relies: str
+    """What the lowering relies on, and where it is documented."""
+    status: str = "SKIP"
+    measured: dict = field(default_factory=dict)
+    detail: str = ""
+
+
+# --- FIA calls and their reference ------------------------------------------------------------
+
+
+@dataclass
+class PagedCache:
+    latent: torch.Tensor  # [blocks, block_size, 512] on the device
+    rope: torch.Tensor    # [blocks, block_size, 64]
+    table: torch.Tensor   # [B, W] int32
+    block_size: int
+
+
+def paged_cache(kv_lens, block_size, device, seed=0, packed=False) -> PagedCache:
+    gen = torch.Generator().manual_seed(seed)
+    width = max(1, max(-(-n // block_size) for n in kv_lens))
+    blocks = len(kv_lens) * width + 1
+    rows = torch.randn(blocks * block_size, LATENT + ROPE, generator=gen).bfloat16()
+    table = (torch.randperm(blocks - 1, generator=gen)[: len(kv_lens) * width] + 1).reshape(len(kv_lens), width).int()
+    rows = rows.to(device)
+    if packed:  # strided column views of one [rows, 576] buffer
+        latent, rope = rows[:, :LATENT], rows[:, LATENT:]
+    else:
+        latent, rope = rows[:, :LATENT].contiguous(), rows[:, LATENT:].contiguous()
+    return PagedCache(latent.view(blocks, block_size, LATENT), rope.view(blocks, block_size, ROPE), table.to(device),
+                      block_size)
+
+
+def queries(tokens, heads, device, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, heads, LATENT, generator=gen).bfloat16().to(device),
+            torch.randn(tokens, heads, ROPE, generator=gen).bfloat16().to(device))
+
+
+def fia(q, q_rope, cache: PagedCache, kv_lens, layout="BSND", query_lens=None):
+    """FIA's MLA path as the lowering calls it (lowering/npu/lower_attention.py); out [T, H, R], lse [T, H]."""
+    tokens, heads, _ = q.shape
+    common = dict(num_heads=heads, scale=SCALE, num_key_value_heads=1, block_table=cache.table,
+                  block_size=cache.block_size, sparse_mode=0, softmax_lse_flag=True)
+    op = torch.ops.npu.npu_fused_infer_attention_score
+    if layout == "BSND":
+        out, lse = op(q.view(tokens, 1, heads, LATENT), cache.latent, cache.latent,
+                      query_rope=q_rope.view(tokens, 1, heads, ROPE), key_rope=cache.rope, input_layout="BSND",
+                      actual_seq_lengths_kv=list(kv_lens), **common)
+    else:
+        cumulative = [sum(query_lens[: i + 1]) for i in range(len(query_lens))]
+        out, lse = op(q, cache.latent, cache.latent, query_rope=q_rope, key_rope=cache.rope, input_layout="TND",
+                      actual_seq_lengths=cumulative, actual_seq_lengths_kv=list(kv_lens), **common)
+    return out.reshape(tokens, heads, LATENT), lse.reshape(tokens, heads)
+
+
+def fia_reference(q, q_rope, cache: PagedCache, kv_lens, query_lens=None, base=math.e):
+    """Every query of request b over its first kv_lens[b] keys, unmasked (sparse_mode 0, no mask),
+    on the CPU in fp32. An empty request: out 0, lse +inf (docs/ascend.md §7.2)."""
+    query_lens = query_lens or [1] * len(kv_lens)
+    q, q_rope = q.cpu().float(), q_rope.cpu().float()
+    latent = cache.latent.cpu().float().reshape(-1, LATENT)
+    rope = cache.rope.cpu().float().reshape(-1, ROPE)
+    table = cache.table.cpu().long()
+    outs, lses = [], []
+    first = 0
+    for b, (count, kv_len) in enumerate(zip(query_lens, kv_lens)):
+        idx = slice(first, first + count)
+        first += count
+        if kv_len == 0:
+            outs.append(torch.zeros(count, q.shape[1], LATENT))
+            lses.append(torch.full((count, q.shape[1]), math.inf))
+            continue
+        blocks = table[b, : -(-kv_len // cache.block_size)]
+        rows = (blocks[:, None] * cache.block_size + torch.arange(cache.block_size)[None, :]).reshape(-1)[:kv_len]
+        scores = (torch.einsum("thr,kr->thk", q[idx], latent[rows]) + torch.einsum("thp,kp->thk", q_rope[idx], rope[rows])) * SCALE
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.einsum("thk,kr->thr", torch.softmax(scores, dim=-1), latent[rows]))
+        lses.append(lse / math.log(base))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _close(got, want, **tolerance) -> tuple[bool, float]:
+    got, want = got.cpu().float(), want.cpu().float()
+    finite = torch.isfinite(want)
+    if not torch.equal(torch.isfinite(got), finite) or not torch.equal(got[~finite], want[~finite]):
+        return False, math.inf
+    diff = (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+    return bool(torch.allclose(got[finite], want[finite], **tolerance)), diff
+
+
+def _attention_matches(got, want) -> tuple[bool, dict]:
+    out_ok, out_diff = _close(got[0], want[0], **TOLERANCE)
+    lse_ok, lse_diff = _close(got[1], want[1], **LSE_TOLERANCE)
+    return out_ok and lse_ok, {"max_abs_diff_out": out_diff, "max_abs_diff_lse": lse_diff}
+
+
+# --- The facts ----------------------------------------------------------------------------------
+
+
+def check_empty_shard_lse(fact: Fact, device) -> None:
+    kv_lens = [0, 37, 0, 5]
+    cache = paged_cache(kv_lens, 128, device)
+    q, q_rope = queries(len(kv_lens), HEADS, device)
+    out, lse = fia(q, q_rope, cache, kv_lens)
+    empty = torch.tensor([n == 0 for n in kv_lens])
+    fact.measured = {"lse_kv_len_0": sorted({float(v) for v in lse.cpu()[empty].flatten().tolist()}),
+                     "out_kv_len_0_max_abs": float(out.cpu()[empty].float().abs().max())}
+    fact.status = "PASS" if fact.measured["lse_kv_len_0"] == [math.inf] and fact.measured["out_kv_len_0_max_abs"] == 0 else "FAIL"
+
+
+def check_lse_base(fact: Fact, device) -> None:
+    kv_lens = [1, 37, 200, 130]
+    cache = paged_cache(kv_lens, 128, device, seed=2)
+    q, q_rope = queries(len(kv_lens), HEADS, device, seed=3)
+    got = fia(q, q_rope, cache, kv_lens)
+    natural, detail = _attention_matches(got, fia_reference(q, q_rope, cache, kv_lens))
+    base2, _ = _attention_matches(got, fia_reference(q, q_rope, cache, kv_lens, base=2.0))
+    fact.measured = {**detail, "matches_base_e": natural, "matches_base_2": base2}
+    fact.status = "PASS" if natural else "FAIL"
+
+
+def check_tnd_more_queries_than_keys(fact: Fact, device) -> None:
+    kv_lens, query_lens = [3, 0, 40, 1], [5, 2, 16, 7]
+    cache = paged_cache(kv_lens, 128, device, seed=4)
+    q, q_rope = queries(sum(query_lens), HEADS, device, seed=5)
+    got = fia(q, q_rope, cache, kv_lens, layout="TND", query_lens=query_lens)
+    ok, fact.measured = _attention_matches(got, fia_reference(q, q_rope, cache, kv_lens, query_lens))
+    fact.status = "PASS" if ok else "FAIL"
+
+
+def check_few_heads(fact: Fact, device) -> None:
+    kv_lens = [5, 130, 0]
+    cache = paged_cache(kv_lens, 128, device, seed=6)
+    results = {}
+    for heads in (1, 2, 4):
+        q, q_rope = queries(len(kv_lens), heads, device, seed=7 + heads)
+        try:
+            ok, _ = _attention_matches(fia(q, q_rope, cache, kv_lens), fia_reference(q, q_rope, cache, kv_lens))
+            results[heads] = "ok" if ok else "wrong values"
+        except Exception as exc:  # a rejection is the fact being measured
+            results[heads] = f"rejected: {str(exc).splitlines()[0][:160]}"
+    fact.measured = {f"heads_{h}": r for h, r in results.items()}
+    fact.status = "PASS" if all(r == "ok" for r in results.values()) else "FAIL"
+
+
+def check_update_all_empty(fact: Fact, device) -> None:
+    shards, tokens, heads = 2, 5, 4
+    gen = torch.Generator().manual_seed(8)
+    out = torch.randn(tokens, shards * heads, LATENT, generator=gen).bfloat16()
+    lse = torch.randn(tokens, shards * heads, generator=gen) * 3
+    lse[1] = -math.inf  # token 1: every shard empty (a padded row)
+    lse[3, :heads] = -math.inf  # token 3: shard 0 empty
+    out[1] = 0
+    packed = reference.pack_partials(out, lse, shards).to(device)
+    outs, lses = torch.ops.dcp.split_partials(packed, LATENT)  # the lowering's guard for all-empty rows
+    merged, _ = torch.ops.npu.npu_attention_update(list(lses.unbind(0)), list(outs.unbind(0)), 0)
+    want = reference.merge_partials(packed.cpu(), LATENT).reshape(tokens * heads, LATENT)
+    ok, diff = _close(merged.reshape(tokens * heads, LATENT), want, **TOLERANCE)
+    raw, _ = torch.ops.npu.npu_attention_update([torch.full((heads,), -math.inf, device=device)] * shards,
+                                                [torch.zeros(heads, LATENT, dtype=torch.bfloat16, device=device)] * shards, 0)
+    fact.measured = {"guarded_max_abs_diff": diff, "all_empty_row_merged_max_abs": float(merged.reshape(tokens, heads, LATENT)[1].float().abs().max()),
+                     "unguarded_all_empty_is_nan": bool(torch.isnan(raw.float()).all())}
+    fact.status = "PASS" if ok and fact.measured["all_empty_row_merged_max_abs"] == 0 else "FAIL"
+
+
+def check_block_sizes(fact: Fact, device) -> None:
+    kv_lens = [1, 300, 0, 129]
+    accepted, rejected = [], {}
+    for block_size in (16, 32, 64, 128, 256, 512, 1024):
+        cache = paged_cache(kv_lens, block_size, device, seed=9)
+        q, q_rope = queries(len(kv_lens), HEADS, device, seed=10)
+        try:
+            ok, _ = _attention_matches(fia(q, q_rope, cache, kv_lens), fia_reference(q, q_rope, cache, kv_lens))
+            (accepted.append(block_size) if ok else rejected.__setitem__(block_size, "wrong values"))
+        except Exception as exc:
+            rejected[block_size] = str(exc).splitlines()[0][:160]
+    fact.measured = {"accepted": accepted, "rejected": {str(k): v for k, v in rejected.items()},
+                     "fia_block_sizes_cann_2026_usable": all(b in accepted for b in (32, 64, 256, 512, 1024))}
+    fact.status = "PASS" if 16 in accepted and 128 in accepted else "FAIL"
+
+
+def _timed(fn, device, repeats=20) -> float:
+    backend = getattr(torch, device.type)
+    fn()
+    backend.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    backend.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+def check_strided_keys(fact: Fact, device) -> None:
+    kv_lens = [1024] * 2 if STANDIN else [4096] * 8
+    backend = getattr(torch, device.type)
+    results = {}
+    for layout, packed in (("split", False), ("strided", True)):
+        cache = paged_cache(kv_lens, 128, device, seed=11, packed=packed)
+        q, q_rope = queries(len(kv_lens), HEADS, device, seed=12)
+        peak = getattr(backend, "reset_peak_memory_stats", None)
+        if peak is not None:
+            peak()
+        before = backend.memory_allocated() if hasattr(backend, "memory_allocated") else 0
+        got = fia(q, q_rope, cache, kv_lens)
+        high = backend.max_memory_allocated() if hasattr(backend, "max_memory_allocated") else 0
+        call = _timed(lambda: fia(q, q_rope, cache, kv_lens), device, 2 if STANDIN else 20)
+        results[layout] = {"us_per_call": round(call, 1),
+                           "peak_extra_bytes": max(0, high - before), "out": got}
+    same, _ = _attention_matches(results["split"].pop("out"), results["strided"].pop("out"))
+    shard_bytes = (len(kv_lens) * -(-max(kv_lens) // 128) + 1) * 128 * LATENT * 2
+    fact.measured = {**{f"{k}_{m}": v for k, r in results.items() for m, v in r.items()}, "shard_bytes": shard_bytes,
+                     "same_result": same}
+    if STANDIN:
+        from dcp_compile.lowering.npu import standin
+
+        standin.contiguous_copies.clear()
+        fia(q, q_rope, paged_cache(kv_lens, 128, device, seed=11, packed=True), kv_lens)
+        fact.measured["standin_copies_of_strided_views"] = [name for name, _ in standin.contiguous_copies]
+    fact.detail = ("the split layout (contiguous latent and rope) is what the NPU lowering hands FIA; the strided "
+                   "views are what a packed [rows, 576] pool would")
+    fact.status = "PASS" if same else "FAIL"
+
+
+def check_graph_update_names(fact: Fact, device) -> None:
+    backend = torch.npu
+    kv_lens, new_lens = [5, 130, 0], [7, 1, 64]
+    cache = paged_cache([max(a, b) for a, b in zip(kv_lens, new_lens)], 128, device, seed=13)
+    q, q_rope = queries(len(kv_lens), HEADS, device, seed=14)
+    for _ in range(2):  # warm up
+        fia(q, q_rope, cache, kv_lens)
+    graph = backend.NPUGraph()
+    with backend.graph(graph, auto_dispatch_capture=True):
+        out, lse = fia(q, q_rope, cache, kv_lens)
+    graph.update(cpu_update_input=[{"actual_seq_lengths_kv": new_lens}])
+    graph.replay()
+    backend.synchronize()
+    ok, detail = _attention_matches((out, lse), fia_reference(q, q_rope, cache, new_lens))
+    accepted = {"actual_seq_lengths_kv": ok}
+    query_lens, tnd_lens, tnd_new = [3, 1, 2], [5, 0, 40], [6, 2, 41]
+    tq, tq_rope = queries(sum(query_lens), HEADS, device, seed=15)
+    graph = backend.NPUGraph()
+    fia(tq, tq_rope, cache, tnd_lens, "TND", query_lens)
+    with backend.graph(graph, auto_dispatch_capture=True):
+        tout, tlse = fia(tq, tq_rope, cache, tnd_lens, "TND", query_lens)
+    graph.update(cpu_update_input=[{"actual_seq_lengths": [3, 4, 6], "actual_seq_lengths_kv": tnd_new}])
+    graph.replay()
+    backend.synchronize()
+    accepted["actual_seq_lengths"], _ = _attention_matches((tout, tlse), fia_reference(tq, tq_rope, cache, tnd_new, query_lens))
+    try:
+        graph.update(cpu_update_input=[{"block_table": cache.table}])
+        accepted["block_table (must be refused)"] = "accepted"
+    except Exception as exc:
+        accepted["block_table (must be refused)"] = f"refused: {str(exc).splitlines()[0][:120]}"
+    fact.measured = {**detail, **{k: v for k, v in accepted.items()}}
+    fact.status = "PASS" if accepted["actual_seq_lengths_kv"] is True and accepted["actual_seq_lengths"] is True else "FAIL"
+
+
+def _collectives_in_a_graph(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    device = torch.device("npu", rank)
+    group = dist.group.WORLD.group_name
+    ops = torch.ops._c10d_functional
+    x = torch.full((4, 3), float(rank), device=device)
+    y = torch.arange(world_size * 2, dtype=torch.float32, device=device) + 100 * rank
+
+    def step():
+        gathered = ops.wait_tensor(ops.all_gather_into_tensor(x, world_size, group))
+        exchanged = ops.wait_tensor(ops.all_to_all_single(y, [2] * world_size, [2] * world_size, group))
+        return gathered, exchanged
+
+    step()
+    torch.npu.synchronize()
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph):
+        gathered, exchanged = step()
+    x.fill_(rank + 10.0)  # new values: the replay must read them
+    y.add_(1000.0)
+    graph.replay()
+    torch.npu.synchronize()
+    want_gathered = torch.cat([torch.full((4, 3), r + 10.0) for r in range(world_size)])
+    want_exchanged = torch.cat([torch.arange(world_size * 2, dtype=torch.float32)[2 * rank: 2 * rank + 2] + 100 * r + 1000
+                                for r in range(world_size)])
+    return {"all_gather": bool(torch.equal(gathered.cpu(), want_gathered)),
+            "all_to_all": bool(torch.equal(exchanged.cpu(), want_exchanged))}
+
+
+def check_hccl_in_graphs(fact: Fact, device) -> None:
+    if torch.npu.device_count() < 2:
+        fact.detail = "needs 2 NPUs"
+        return
+    from dcp_compile.runtime.launch import spawn
+
+    results = spawn(_collectives_in_a_graph, 2, backend="hccl", timeout=120)
+    fact.measured = {f"rank{r}_{k}": v for r, result in enumerate(results) for k, v in result.items()}
+    fact.status = "PASS" if all(fact.measured.values()) else "FAIL"
+
+
+def check_torchair_symint_lengths(fact: Fact, device) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torchair") is None:
+        fact.detail = "needs torchair (torch_npu's dynamo back end)"
+        return
+    import dcp_compile
+    from dcp_compile.models.config import preset
+    from dcp_compile.models.mla import MLAModel
+    from dcp_compile.runtime.batch import RequestTable
+
+    compiles = []
+    outs = {}
+    for inner in ("torchair", "eager"):
+        torch._dynamo.reset()
+        model = MLAModel(preset("tiny-512"), 4096, max_requests=4, dtype=torch.bfloat16, page_size=128, device=device)
+        dcp = dcp_compile.apply(model, 1, kernels="npu", inner_compile=inner)
+        table = RequestTable(4, 512, 4096, 128)
+        logits = []
+        for step in range(12):  # a prefill, then decode steps whose lengths all change
+            tokens = [[1] * 5, [2] * 9, [3]] if step == 0 else [[step % 7 + 1]] * 3
+            batch = table.extend_batch([0, 1, 2], tokens, pad_rows=1)
+            logits.append(dcp(*batch.to(device).args(), host_metadata=batch.host).cpu())
+        outs[inner] = logits
+        compiles.append(len(dcp_compile.state(dcp).reports))
+    diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(outs["torchair"], outs["eager"])]
+    fact.measured = {"torchair_graphs_compiled": compiles[0], "eager_graphs_compiled": compiles[1],
+                     "max_abs_diff_logits": max(diffs)}
+    fact.status = "PASS" if compiles[0] <= 2 and max(diffs) <= 5e-2 else "FAIL"
+
+
+FACTS = [
+    ("empty-shard-lse", "FIA gives out 0 and lse +inf for a request with kv_len 0 (docs/ascend.md §7.2, inferred; the "
+                        "lowering masks such rows by their lengths anyway)", check_empty_shard_lse),
+    ("lse-base", "FIA's softmax_lse is the natural-log logsumexp of the scaled scores (§2.3)", check_lse_base),
+    ("tnd-more-queries-than-keys", "TND, sparse_mode 0, no mask: every query of a row sees all of its kv_len keys, "
+                                   "also with more queries than keys (§6.1, §6.4; the verify prefix split)",
+     check_tnd_more_queries_than_keys),
+    ("fia-few-heads", "FIA's MLA path serves 1, 2 and 4 query heads (§4.2; SGLang avoids fewer than 8)", check_few_heads),
+    ("update-all-empty", "npu_attention_update after dcp.split_partials' guard merges a row whose every shard is "
+                         "empty to 0 (§7.4, §8)", check_update_all_empty),
+    ("block-sizes", "FIA takes block sizes 16 and 128 (§4.5; more under CANN's 2026 tiling check)", check_block_sizes),
+    ("strided-keys", "contiguous latent and rope caches give what strided views of packed rows give, without the "
+                     "auto-contiguous copy (§11.1)", check_strided_keys),
+    ("graph-update-names", "NPUGraph.update(cpu_update_input=...) takes actual_seq_lengths_kv and actual_seq_lengths "
+                           "and the replay uses them (§9.3)", check_graph_update_names),
+    ("hccl-in-graphs", "HCCL all-gather and all-to-all replay inside a captured NPU graph (§10.3)", check_hccl_in_graphs),
+    ("torchair-symint-lengths", "torchair with the FIA lengths as SymInt inputs: no recompile per step and the "
+                                "values refreshed (§9.4)", check_torchair_symint_lengths),
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--standin", action="store_true", help="check the stand-ins on the emulated npu device")
+    p.add_argument("--plant", default=None, metavar="NAME",
+                   help="with --standin: make a stand-in depart from one fact (standin.PLANTS)")
+    p.add_argument("--only", default=None, metavar="NAMES", help="comma-separated facts to check (default: all)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    names = [name for name, _, _ in FACTS]
+    args.only = args.only.split(",") if args.only else names
+    unknown = sorted(set(args.only) - set(names))
+    if unknown:
+        p.error(f"unknown facts {unknown}; choose from {names}")
+    if args.plant and not args.standin:
+        p.error("--plant makes a stand-in deviate: it needs --standin")
+    return args
+
+
+def setup(args) -> torch.device:
+    from dcp_compile.lowering.npu import standin
+    from dcp_compile.runtime import devices
+
+    global STANDIN
+    STANDIN = args.standin
+    if args.standin:
+        if devices.torch_npu_installed():
+            raise SystemExit("--standin checks the stand-ins, which are not used where torch_npu is installed")
+        os.environ[devices.EMULATOR_ENV] = "1"
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if args.plant:
+            if args.plant not in standin.PLANTS:
+                raise SystemExit(f"--plant {args.plant}: choose one of {sorted(standin.PLANTS)}")
+            os.environ[standin.PLANT_ENV] = args.plant
+    elif not devices.torch_npu_installed():
+        raise SystemExit("this probe checks real Ascend ops: install torch_npu on an NPU machine, or run --standin")
+    devices.require_torch_npu("bench/npu_facts.py")
+    import dcp_compile.lowering.npu as npu_lowering
+
+    npu_lowering.ensure_ops()
+    torch.npu.set_device(0)
+    return torch.device("npu", 0)
+
+
+def run(args) -> dict:
+    device = setup(args)
+    facts = []
+    for name, relies, check in FACTS:
+        if name not in args.only:
+            continue
+        fact = Fact(name, relies)
+        try:
+            check(fact, device)
+        except Exception as exc:  # a fact that errors is not established
+            fact.status, fact.detail = "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            fact.measured["traceback"] = traceback.format_exc(limit=4)[-1200:]
+        facts.append(fact)
+    import importlib.metadata as metadata
+
+    def version(package):
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "mode": "standin" if args.standin else "hardware",
+        "plant": args.plant,
+        "machine": {"host": platform.node(), "platform": platform.platform(), "npus": torch.npu.device_count()},
+        "versions": {"torch": torch.__version__, "torch_npu": version("torch_npu"), "torchair": version("torchair"),
+                     "cann": os.environ.get("ASCEND_TOOLKIT_VERSION") or os.environ.get("ASCEND_HOME_PATH")},
+        "facts": [asdict(f) for f in facts],
+        "passed": sum(f.status == "PASS" for f in facts),
+        "failed": sum(f.status == "FAIL" for f in facts),
+        "skipped": sum(f.status == "SKIP" for f in facts),
+    }
+
+
+def _show(result: dict, stream) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"npu_facts ({result['mode']}{', plant ' + result['plant'] if result['plant'] else ''})")
+    for column in ("fact", "result", "measured"):
+        table.add_column(column)
+    for fact in result["facts"]:
+        measured = {k: v for k, v in fact["measured"].items() if k != "traceback"}
+        text = ", ".join(f"{k}={v}" for k, v in measured.items()) or fact["detail"]
+        if fact["detail"] and measured:
+            text += f" ({fact['detail']})"
+        table.add_row(fact["name"], fact["status"], escape(text))
+    Console(file=stream, width=160).print(table)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    _show(result, sys.stderr if args.json else sys.stdout)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if args.json:
+        print(json.dumps(result, default=str))
+    return 1 if result["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
