@@ -121,7 +121,8 @@ def fia_reference(q, q_rope, cache: PagedCache, kv_lens, query_lens=None, base=m
             continue
         blocks = table[b, : -(-kv_len // cache.block_size)]
         rows = (blocks[:, None] * cache.block_size + torch.arange(cache.block_size)[None, :]).reshape(-1)[:kv_len]
-        scores = (torch.einsum("thr,kr->thk", q[idx], latent[rows]) + torch.einsum("thp,kp->thk", q_rope[idx], rope[rows])) * SCALE
+        scores = torch.einsum("thr,kr->thk", q[idx], latent[rows]) + torch.einsum("thp,kp->thk", q_rope[idx], rope[rows])
+        scores = scores * SCALE
         lse = torch.logsumexp(scores, dim=-1)
         outs.append(torch.einsum("thk,kr->thr", torch.softmax(scores, dim=-1), latent[rows]))
         lses.append(lse / math.log(base))
@@ -154,7 +155,8 @@ def check_empty_shard_lse(fact: Fact, device) -> None:
     empty = torch.tensor([n == 0 for n in kv_lens])
     fact.measured = {"lse_kv_len_0": sorted({float(v) for v in lse.cpu()[empty].flatten().tolist()}),
                      "out_kv_len_0_max_abs": float(out.cpu()[empty].float().abs().max())}
-    fact.status = "PASS" if fact.measured["lse_kv_len_0"] == [math.inf] and fact.measured["out_kv_len_0_max_abs"] == 0 else "FAIL"
+    faithful = fact.measured["lse_kv_len_0"] == [math.inf] and fact.measured["out_kv_len_0_max_abs"] == 0
+    fact.status = "PASS" if faithful else "FAIL"
 
 
 def check_lse_base(fact: Fact, device) -> None:
@@ -205,9 +207,11 @@ def check_update_all_empty(fact: Fact, device) -> None:
     merged, _ = torch.ops.npu.npu_attention_update(list(lses.unbind(0)), list(outs.unbind(0)), 0)
     want = reference.merge_partials(packed.cpu(), LATENT).reshape(tokens * heads, LATENT)
     ok, diff = _close(merged.reshape(tokens * heads, LATENT), want, **TOLERANCE)
-    raw, _ = torch.ops.npu.npu_attention_update([torch.full((heads,), -math.inf, device=device)] * shards,
-                                                [torch.zeros(heads, LATENT, dtype=torch.bfloat16, device=device)] * shards, 0)
-    fact.measured = {"guarded_max_abs_diff": diff, "all_empty_row_merged_max_abs": float(merged.reshape(tokens, heads, LATENT)[1].float().abs().max()),
+    empty_lse = [torch.full((heads,), -math.inf, device=device)] * shards
+    empty_out = [torch.zeros(heads, LATENT, dtype=torch.bfloat16, device=device)] * shards
+    raw, _ = torch.ops.npu.npu_attention_update(empty_lse, empty_out, 0)
+    padded_row = merged.reshape(tokens, heads, LATENT)[1]
+    fact.measured = {"guarded_max_abs_diff": diff, "all_empty_row_merged_max_abs": float(padded_row.float().abs().max()),
                      "unguarded_all_empty_is_nan": bool(torch.isnan(raw.float()).all())}
     fact.status = "PASS" if ok and fact.measured["all_empty_row_merged_max_abs"] == 0 else "FAIL"
 
@@ -294,14 +298,16 @@ def check_graph_update_names(fact: Fact, device) -> None:
     graph.update(cpu_update_input=[{"actual_seq_lengths": [3, 4, 6], "actual_seq_lengths_kv": tnd_new}])
     graph.replay()
     backend.synchronize()
-    accepted["actual_seq_lengths"], _ = _attention_matches((tout, tlse), fia_reference(tq, tq_rope, cache, tnd_new, query_lens))
+    want = fia_reference(tq, tq_rope, cache, tnd_new, query_lens)
+    accepted["actual_seq_lengths"], _ = _attention_matches((tout, tlse), want)
     try:
         graph.update(cpu_update_input=[{"block_table": cache.table}])
         accepted["block_table (must be refused)"] = "accepted"
     except Exception as exc:
         accepted["block_table (must be refused)"] = f"refused: {str(exc).splitlines()[0][:120]}"
     fact.measured = {**detail, **{k: v for k, v in accepted.items()}}
-    fact.status = "PASS" if accepted["actual_seq_lengths_kv"] is True and accepted["actual_seq_lengths"] is True else "FAIL"
+    refreshed = accepted["actual_seq_lengths_kv"] is True and accepted["actual_seq_lengths"] is True
+    fact.status = "PASS" if refreshed else "FAIL"
 
 
 def _collectives_in_a_graph(rank: int, world_size: int) -> dict:
@@ -328,8 +334,8 @@ def _collectives_in_a_graph(rank: int, world_size: int) -> dict:
     graph.replay()
     torch.npu.synchronize()
     want_gathered = torch.cat([torch.full((4, 3), r + 10.0) for r in range(world_size)])
-    want_exchanged = torch.cat([torch.arange(world_size * 2, dtype=torch.float32)[2 * rank: 2 * rank + 2] + 100 * r + 1000
-                                for r in range(world_size)])
+    sent = torch.arange(world_size * 2, dtype=torch.float32)[2 * rank: 2 * rank + 2]
+    want_exchanged = torch.cat([sent + 100 * r + 1000 for r in range(world_size)])
     return {"all_gather": bool(torch.equal(gathered.cpu(), want_gathered)),
             "all_to_all": bool(torch.equal(exchanged.cpu(), want_exchanged))}
 
@@ -383,7 +389,8 @@ FACTS = [
     ("tnd-more-queries-than-keys", "TND, sparse_mode 0, no mask: every query of a row sees all of its kv_len keys, "
                                    "also with more queries than keys (§6.1, §6.4; the verify prefix split)",
      check_tnd_more_queries_than_keys),
-    ("fia-few-heads", "FIA's MLA path serves 1, 2 and 4 query heads (§4.2; SGLang avoids fewer than 8)", check_few_heads),
+    ("fia-few-heads", "FIA's MLA path serves 1, 2 and 4 query heads (§4.2; SGLang avoids fewer than 8)",
+     check_few_heads),
     ("update-all-empty", "npu_attention_update after dcp.split_partials' guard merges a row whose every shard is "
                          "empty to 0 (§7.4, §8)", check_update_all_empty),
     ("block-sizes", "FIA takes block sizes 16 and 128 (§4.5; more under CANN's 2026 tiling check)", check_block_sizes),
@@ -391,7 +398,8 @@ FACTS = [
                      "auto-contiguous copy (§11.1)", check_strided_keys),
     ("graph-update-names", "NPUGraph.update(cpu_update_input=...) takes actual_seq_lengths_kv and actual_seq_lengths "
                            "and the replay uses them (§9.3)", check_graph_update_names),
-    ("hccl-in-graphs", "HCCL all-gather and all-to-all replay inside a captured NPU graph (§10.3)", check_hccl_in_graphs),
+    ("hccl-in-graphs", "HCCL all-gather and all-to-all replay inside a captured NPU graph (§10.3)",
+     check_hccl_in_graphs),
     ("torchair-symint-lengths", "torchair with the FIA lengths as SymInt inputs: no recompile per step and the "
                                 "values refreshed (§9.4)", check_torchair_symint_lengths),
 ]
@@ -451,7 +459,8 @@ def run(args) -> dict:
         try:
             check(fact, device)
         except Exception as exc:  # a fact that errors is not established
-            fact.status, fact.detail = "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            first_line = str(exc).splitlines()[0][:300] if str(exc) else ""
+            fact.status, fact.detail = "FAIL", f"{type(exc).__name__}: {first_line}"
             fact.measured["traceback"] = traceback.format_exc(limit=4)[-1200:]
         facts.append(fact)
     import importlib.metadata as metadata
