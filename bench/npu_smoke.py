@@ -2,7 +2,7 @@
 one decode attention layer with NPU graphs.
 
     torchrun --nproc-per-node 2 bench/npu_smoke.py --out bench/results/npu_smoke.json   # 2 NPUs, HCCL
-    python bench/npu_smoke.py --standin --out /tmp/npu_smoke.json                      # CPU, stand-ins
+    python bench/npu_smoke.py --standin --out /tmp/npu_smoke.json                      # emulated NPU, stand-ins
 
 On NPUs (torch_npu, CANN >= 8.5):
   - correctness: DCP = 2 against DCP = 1 under the NPU lowering (FIA + npu_attention_update),
@@ -12,20 +12,22 @@ On NPUs (torch_npu, CANN >= 8.5):
     whose FIA lengths are refreshed before every replay; median step time, slowest rank.
 It writes the JSON schema of bench/decode.py (command, date, machine, versions, shapes,
 attention_layer rows), plus the correctness verdicts.
-`--standin` runs the same script on CPU ranks (gloo) against the stand-ins, at tiny contexts and
-without graphs, to check the script itself; CI runs it. Its times say nothing about Ascend.
+`--standin` runs the same script on 2 ranks of the emulated NPU (dcp_compile/testing/npu_emulator:
+DCP_COMPILE_NPU_EMULATOR=1, HCCL over gloo, NPU graphs that record and replay) against the
+stand-ins, at tiny contexts, to check the script itself; CI runs it. Its times say nothing about
+Ascend.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import statistics
 import sys
 import time
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 
 import dcp_compile  # noqa: E402
 from dcp_compile.harness import scenario as scenarios  # noqa: E402
-from dcp_compile.runtime import parallel  # noqa: E402
+from dcp_compile.runtime import devices, parallel  # noqa: E402
 from dcp_compile.runtime.batch import RequestTable  # noqa: E402
 from dcp_compile.runtime.graph_runner import NPUGraphs  # noqa: E402
 from dcp_compile.runtime.launch import init_from_env, spawn  # noqa: E402
@@ -44,11 +46,11 @@ from dcp_compile.runtime.launch import init_from_env, spawn  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import AttentionLayer, slowest  # noqa: E402
 
-CORRECTNESS = [
-    scenarios.Scenario(mode="decode", dcp_size=2, tp_size=2, batch=5, contexts=(1, 3, 130, 300, 17), steps=8,
-                       kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16),
-    scenarios.Scenario(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=4, contexts=(1, 3, 130, 40), steps=4,
-                       kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16),
+CORRECTNESS = [  # Scenario arguments: made on the ranks, where the npu device is there (on device="npu")
+    dict(mode="decode", dcp_size=2, tp_size=2, batch=5, contexts=(1, 3, 130, 300, 17), steps=8,
+         kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16),
+    dict(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=4, contexts=(1, 3, 130, 40), steps=4,
+         kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16),
 ]
 VERDICT_KEYS = ("mode", "dcp_size", "tp_size", "tokens_match", "near_tie_flips", "outputs_match", "max_abs_diff",
                 "tolerance", "finite", "graphs_captured", "graph_keys", "seconds")
@@ -62,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=64, help="query heads in all (Kimi-K2: 64)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--replays", type=int, default=20)
-    p.add_argument("--standin", action="store_true", help="CPU ranks on the stand-ins, tiny contexts, no graphs")
+    p.add_argument("--standin", action="store_true", help="the emulated NPU and the stand-ins, tiny contexts")
     args = p.parse_args(argv)
     if args.standin:
         args.contexts, args.batches, args.block_size, args.replays = "40,300", "1,4", 16, 3
@@ -73,8 +75,8 @@ def parse_args(argv=None):
 
 def correctness(rank: int, world: int, device: str) -> list[dict]:
     verdicts = []
-    for case in CORRECTNESS:
-        case = replace(case, device=device)
+    for arguments in CORRECTNESS:
+        case = scenarios.Scenario(**arguments, device=device)
         result = scenarios.run_on_rank(rank, world, case)
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
@@ -155,19 +157,20 @@ def bench_attention_layer(args, dcp_size: int, device, tp) -> list[dict]:
 
 
 def run(rank: int, world: int, args) -> dict:
-    device = torch.device("cpu") if args.standin else torch.device("npu", torch.npu.current_device())
+    device = torch.device("npu", torch.npu.current_device())
     started = time.time()
     tp = parallel.build(2, 1)
     result = {
         "command": ("python " if args.standin else "torchrun --nproc-per-node 2 ") + " ".join(shlex.quote(a) for a in sys.argv),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "device": "cpu (stand-ins)" if args.standin else torch.npu.get_device_name(device),
+        "machine": {"platform": platform.platform(),
+                    "device": "emulated npu (stand-ins)" if args.standin else torch.npu.get_device_name(device),
                     "ranks": world},
         "versions": {"torch": torch.__version__,
                      "torch_npu": None if args.standin else __import__("torch_npu").__version__},
         "shapes": {"heads_total": args.heads, "tp_size": 2, "kv_lora_rank": 512, "rope_dim": 64, "dtype": "torch.bfloat16",
                    "block_size": args.block_size},
-        "correctness": correctness(rank, world, "cpu" if args.standin else "npu"),
+        "correctness": correctness(rank, world, "npu"),
         "attention_layer": [row for n in (1, 2) for row in bench_attention_layer(args, n, device, tp)],
     }
     result["seconds"] = time.time() - started
@@ -181,7 +184,8 @@ def _spawned(rank: int, world: int, args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.standin:
-        result = spawn(_spawned, 2, args)[0]
+        os.environ[devices.EMULATOR_ENV] = "1"  # before the ranks start: they inherit it
+        result = spawn(_spawned, 2, args, backend="hccl")[0]
     else:
         rank, world = init_from_env("hccl")
         if world != 2:

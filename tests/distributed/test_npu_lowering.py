@@ -1,10 +1,14 @@
-"""The NPU lowering end to end on gloo ranks, on the CPU stand-ins of FIA and
-npu_attention_update, in bf16, against dcp_size=1 under the same lowering.
+"""The NPU lowering end to end on ranks of the emulated npu device (HCCL over gloo), on the
+stand-ins of FIA and npu_attention_update, in bf16, against dcp_size=1 under the same lowering;
+decode and verify steps replayed from NPU graphs too.
 
 Lengths mix 1, lengths below N (empty shards) and lengths crossing FIA blocks of 16; every batch
 carries a padded row (empty on every shard). The match tolerance is derived in
 dcp_compile/harness/scenario.half_precision_tolerance; greedy tokens must agree except at near-ties
 within that tolerance (none were flipped when this was written, see the closing figures).
+
+Off the hardware, the Triton kernels of the lowering (KV writes, gather-kv attention, window
+attention, pack and merge) run under the Triton interpreter: the contexts are kept short.
 """
 
 from __future__ import annotations
@@ -13,27 +17,40 @@ import pytest
 
 from dcp_compile.harness.scenario import Scenario, compare
 
-NPU = dict(kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16)
-CASES = [
+pytestmark = pytest.mark.usefixtures("npu_emulator")  # tests/conftest.py: the ranks inherit it
+
+NPU = dict(kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16, device="npu")
+CASES = [  # Scenario arguments: a Scenario on device="npu" needs the emulated device, made by the fixture
     # 20 decode steps: lengths change every step, one graph per batch shape.
-    Scenario(dcp_size=2, tp_size=2, batch=5, contexts=(1, 3, 130, 300, 17), steps=20, seed=11, **NPU),
-    Scenario(dcp_size=4, tp_size=4, batch=5, contexts=(1, 3, 130, 300, 17), steps=3, seed=12, **NPU),
+    dict(dcp_size=2, tp_size=2, batch=5, contexts=(1, 3, 40, 70, 17), steps=20, seed=11),
+    dict(dcp_size=4, tp_size=4, batch=5, contexts=(1, 3, 40, 70, 17), steps=3, seed=12),
     # Verify with scripted accept/reject; k = 1 with 12 heads (FIA runs 16, padded);
     # k = 7 page-interleaved (each page of 16 on one rank); k = 16 at DCP 4.
-    Scenario(mode="verify", draft_len=1, dcp_size=2, tp_size=2, batch=3, contexts=(1, 2, 40), steps=3, seed=13,
-             num_heads=12, **NPU),
-    Scenario(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=4, contexts=(1, 5, 40, 20), steps=4, seed=14,
-             interleave=16, **NPU),
-    Scenario(mode="verify", draft_len=16, dcp_size=4, tp_size=4, batch=3, contexts=(2, 3, 70), steps=2, seed=15, **NPU),
+    dict(mode="verify", draft_len=1, dcp_size=2, tp_size=2, batch=3, contexts=(1, 2, 40), steps=3, seed=13,
+         num_heads=12),
+    dict(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=4, contexts=(1, 5, 40, 20), steps=4, seed=14,
+         interleave=16),
+    dict(mode="verify", draft_len=16, dcp_size=4, tp_size=4, batch=3, contexts=(2, 3, 70), steps=2, seed=15),
     # Extend: chunks of 37 (more than FIA's 16 queries) go through gather-kv, then FIA decode.
-    Scenario(mode="extend", chunk=37, dcp_size=2, tp_size=2, batch=3, contexts=(1, 40, 100), steps=2, seed=16, **NPU),
+    dict(mode="extend", chunk=37, dcp_size=2, tp_size=2, batch=3, contexts=(1, 40, 100), steps=2, seed=16),
+]
+GRAPH_CASES = [
+    # Decode and verify steps replayed from NPU graphs (GraphRunner, NPUGraphs): the lengths and
+    # block tables change between replays (requests cross pages); 3 rows fill a bucket of 4 with
+    # a padded row; prefill runs eagerly.
+    dict(dcp_size=2, tp_size=2, batch=3, contexts=(1, 17, 40), steps=6, seed=17, graphs=True),
+    dict(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=3, contexts=(1, 5, 40), steps=3, seed=18,
+         graphs=True),
 ]
 
 
-@pytest.mark.parametrize("scenario", CASES,
-                         ids=lambda s: f"{s.mode}-k{s.draft_len}-tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}")
-def test_npu_lowering_matches_dcp_size_one(scenario):
-    result = compare(scenario)
+def case_id(case: dict) -> str:
+    return (f"{case.get('mode', 'decode')}-k{case.get('draft_len', 1)}-tp{case['tp_size']}-dcp{case['dcp_size']}"
+            f"-I{case.get('interleave', 1)}" + ("-graphs" if case.get("graphs") else ""))
+
+
+def check_matches_dcp_size_one(scenario: Scenario, result: dict) -> None:
+    assert result["emulated"] and result["device"] == "npu"
     assert result["finite"]
     assert result["outputs_match"] and result["max_abs_diff"] < result["tolerance"]
     assert result["tokens_match"]
@@ -42,5 +59,22 @@ def test_npu_lowering_matches_dcp_size_one(scenario):
     # At most one compile per (batch shape, strategy), whatever the lengths did: FIA's graphs are
     # static per shape, the gather-kv ones symbolic (one serves several shapes).
     assert 0 < result["graphs_captured"] <= result["graph_keys"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_npu_lowering_matches_dcp_size_one(case):
+    scenario = Scenario(**case, **NPU)
+    result = compare(scenario)
+    check_matches_dcp_size_one(scenario, result)
+    assert result["graph_replays"] == 0
     if scenario.mode == "extend":
         assert result["strategy_counts"]["gather-kv"] >= 1
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=case_id)
+def test_npu_graph_replays_match_dcp_size_one(case):
+    scenario = Scenario(**case, **NPU)
+    result = compare(scenario)
+    check_matches_dcp_size_one(scenario, result)
+    assert result["graph_replays"] == scenario.steps  # every decode / verify step replayed a graph
+    assert result["device_graphs_captured"] == 1  # one bucket, one strategy: captured once, replayed after

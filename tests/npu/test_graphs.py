@@ -1,6 +1,8 @@
-"""NPU graphs without an NPU: what the torchair inner compiler is handed, the graph runner's
-logic on a fake graph back end (buckets, the FIA lengths pushed before each replay, a skipped
-update caught in debug mode), and bench/npu_smoke.py in its stand-in mode."""
+"""NPU graphs on the emulated npu device: what the torchair inner compiler is handed (torchair
+itself faked: it needs torch_npu), the graph runner's logic on a fake graph back end (buckets,
+the FIA lengths pushed before each replay, a skipped update caught in debug mode), and
+bench/npu_smoke.py in its stand-in mode (the emulated device). Replays from the emulator's own
+NPU graphs: tests/npu/test_defects.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import pytest
 import torch
 
 import dcp_compile
-from dcp_compile import api as dcp_api
 from dcp_compile.lowering import npu as npu_lowering
 from dcp_compile.lowering.npu import inner_compile
 from dcp_compile.models.config import preset
@@ -24,10 +25,11 @@ from dcp_compile.runtime.graph_runner import GraphRunner, StaleHostLengthsError
 ROOT = Path(__file__).resolve().parents[2]
 npu_lowering.ensure_ops()
 FIA = torch.ops.npu.npu_fused_infer_attention_score.default
+NPU = "npu"  # a device of the emulator, installed by the fixture of tests/npu/conftest.py: not at import
 
 
 def npu_model(**config):
-    model = MLAModel(preset("tiny-512"), 2048, max_requests=4, dtype=torch.bfloat16, page_size=16)
+    model = MLAModel(preset("tiny-512"), 2048, max_requests=4, dtype=torch.bfloat16, page_size=16, device=NPU)
     return dcp_compile.apply(model, 1, kernels="npu", **config)
 
 
@@ -43,7 +45,6 @@ def test_torchair_is_handed_symbolic_fia_lengths(monkeypatch):
 
         return compile_graph
 
-    monkeypatch.setattr(dcp_api, "require_torch_npu", lambda what: None)
     monkeypatch.setattr(inner_compile, "torchair_compiler", fake_torchair)
     model, eager = npu_model(inner_compile="torchair"), npu_model()
     tables = [RequestTable(4, 64, 2048, 16) for _ in range(2)]
@@ -52,8 +53,8 @@ def test_torchair_is_handed_symbolic_fia_lengths(monkeypatch):
         tokens = [[1] * 5, [2] * 9, [3]] if step == 0 else [[step]] * 3
         for m, table in zip((model, eager), tables):
             batch = table.extend_batch([0, 1, 2], tokens, pad_rows=1)
-            outs.append(m(*batch.args(), host_metadata=batch.host))
-        assert torch.equal(outs[-2], outs[-1])
+            outs.append(m(*batch.to(NPU).args(), host_metadata=batch.host))
+        assert outs[-1].device.type == NPU and torch.equal(outs[-2], outs[-1])
     assert len(handed) == 2  # the prefill (TND: at most 16 tokens a row) and the decode graph, once each
     gm, example_inputs = handed[1]
     fia = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is FIA)
@@ -65,10 +66,11 @@ def test_torchair_is_handed_symbolic_fia_lengths(monkeypatch):
 
 
 class FakeGraphs:
-    """A graph back end without a device: capture runs the step once; replay records the FIA
-    lengths pushed to the graph (or drops them, to stand for an update that did not happen)."""
+    """A graph back end that captures nothing: capture runs the step once on the npu device;
+    replay records the FIA lengths pushed to the graph (or drops them, to stand for an update
+    that did not happen)."""
 
-    device = torch.device("cpu")
+    device = NPU
 
     def __init__(self, drop_updates: bool = False):
         self.drop_updates, self.captures, self.pushed = drop_updates, 0, []
@@ -91,7 +93,7 @@ def runner_and_table(graphs, **runner_args):
     model = npu_model()
     table = RequestTable(4, 64, 2048, 16)
     prefill = table.extend_batch([0, 1, 2], [[1] * 5, [2] * 20, [3] * 2])
-    model(*prefill.args(), host_metadata=prefill.host)
+    model(*prefill.to(NPU).args(), host_metadata=prefill.host)
     state = dcp_compile.state(model)
     runner = GraphRunner(model.compiled("gather-q"), buckets=(1, 2, 4), graphs=graphs, host_slot=state.host_slot,
                          **runner_args)

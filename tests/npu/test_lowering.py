@@ -1,7 +1,8 @@
-"""The NPU lowering on the CPU stand-ins: the FIA and merge nodes the passes emit, what the host
-feeds them per rank, numerics against the torch reference, and the bug classes of DESIGN.md
-that the Ascend path meets (FIA's +inf LSE on an empty shard, all-empty padded rows, an LSE
-base mix-up, stale host lengths after a rejected draft)."""
+"""The NPU lowering on the emulated npu device and the stand-ins of FIA and npu_attention_update:
+the FIA and merge nodes the passes emit, what the host feeds them per rank, numerics against the
+torch reference (on the CPU), and the bug classes of DESIGN.md that the Ascend path meets (FIA's
++inf LSE on an empty shard, all-empty padded rows, an LSE base mix-up, stale host lengths after a
+rejected draft)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from dcp_compile.harness.scenario import half_precision_tolerance
 ensure_ops()
 FIA = torch.ops.npu.npu_fused_infer_attention_score.default
 UPDATE = torch.ops.npu.npu_attention_update.default
+NPU = "npu"
 
 
 # --- The graph after the passes -------------------------------------------------------------
@@ -103,12 +105,20 @@ def test_fia_limits_are_checked_before_compiling():
     with pytest.raises(ValueError, match="multiple of 16"):
         fia_block_size(8, 2, 1)
     cfg = preset("tiny-512")
+    on_npu = dict(page_size=16, device=NPU)
     with pytest.raises(ValueError, match="at most 128 query heads"):
-        dcp_compile.apply(MLAModel(cfg.replace(num_heads=256), 64, dtype=torch.bfloat16, page_size=16), 1, kernels="npu")
+        dcp_compile.apply(MLAModel(cfg.replace(num_heads=256), 64, dtype=torch.bfloat16, **on_npu), 1, kernels="npu")
     with pytest.raises(TypeError, match="bf16 or fp16"):
-        dcp_compile.apply(MLAModel(cfg, 64, page_size=16), 1, kernels="npu")
+        dcp_compile.apply(MLAModel(cfg, 64, **on_npu), 1, kernels="npu")
     with pytest.raises(ValueError, match="kv_lora_rank 512"):
-        dcp_compile.apply(MLAModel(preset("tiny"), 64, dtype=torch.bfloat16, page_size=16), 1, kernels="npu")
+        dcp_compile.apply(MLAModel(preset("tiny"), 64, dtype=torch.bfloat16, **on_npu), 1, kernels="npu")
+
+
+def test_a_kv_pool_on_the_cpu_is_refused():
+    """FIA and npu_attention_update have npu kernels only (as torch_npu's): a CPU pool is refused
+    when the model is made, not at its first step."""
+    with pytest.raises(RuntimeError, match="kernels='npu': its kernels run on an npu device .* the KV pool is on cpu"):
+        dcp_compile.apply(MLAModel(preset("tiny-512"), 64, dtype=torch.bfloat16, page_size=16), 1, kernels="npu")
 
 
 def test_dump_shows_the_fia_and_merge_nodes(tmp_path):
@@ -123,24 +133,29 @@ def test_dump_shows_the_fia_and_merge_nodes(tmp_path):
 
 
 class Pair:
-    """The same tiny-512 bf16 model under the torch reference and under the NPU lowering."""
+    """The same tiny-512 bf16 model (the same weights) under the torch reference on the CPU and
+    under the NPU lowering on the npu device."""
+
+    devices = ("cpu", NPU)
 
     def __init__(self, heads=8, debug_checks=False, capacity=2048, page_size=16):
         cfg = preset("tiny-512").replace(num_heads=heads)
         self.models = [
-            dcp_compile.apply(MLAModel(cfg, capacity, max_requests=4, dtype=torch.bfloat16, page_size=page_size), 1,
-                              kernels=kernels, debug_checks=debug_checks)
-            for kernels in ("torch", "npu")
+            dcp_compile.apply(MLAModel(cfg, capacity, max_requests=4, dtype=torch.bfloat16, page_size=page_size,
+                                       device=device), 1, kernels=kernels, debug_checks=debug_checks)
+            for kernels, device in zip(("torch", "npu"), self.devices)
         ]
         self.tables = [RequestTable(4, 96, capacity, page_size) for _ in self.models]
         self.tolerance_scale = half_precision_tolerance("bfloat16", cfg.num_mla_layers, 1.0)
 
     def step(self, tokens, all_logits=False, pad_rows=1):
         outs = []
-        for model, table in zip(self.models, self.tables):
+        for model, table, device in zip(self.models, self.tables, self.devices):
             batch = table.extend_batch(list(range(len(tokens))), tokens, pad_rows=pad_rows, all_logits=all_logits)
-            outs.append(model(*batch.args(), host_metadata=batch.host))
+            outs.append(model(*batch.to(device).args(), host_metadata=batch.host))
         reference_out, npu_out = outs
+        assert npu_out.device.type == NPU
+        npu_out = npu_out.cpu()
         assert torch.isfinite(npu_out).all()
         assert (npu_out - reference_out).abs().max() <= self.tolerance_scale * reference_out.abs().max()
         return reference_out, npu_out
@@ -188,7 +203,7 @@ def test_stale_host_lengths_after_a_rejected_draft_are_caught_in_debug_mode():
     pair.step([[1] * 7, [2] * 7], all_logits=True)
     pair.truncate(0, 4 + 2)  # accept one draft
     model, table = pair.models[1], pair.tables[1]
-    batch = table.extend_batch([0, 1], [[1], [2]])
+    batch = table.extend_batch([0, 1], [[1], [2]]).to(NPU)
     host = batch.host
     assert host.local_seq_lens[0] == (7, 17)  # fresh: the rejected drafts are gone
     stale = type(host)(host.dcp_size, host.interleave, host.page_size, host.query_lens,
@@ -199,6 +214,7 @@ def test_stale_host_lengths_after_a_rejected_draft_are_caught_in_debug_mode():
 
 
 def _queries(tokens, heads, seed=0):
+    """Host tensors (the reference's inputs); the op gets npu copies."""
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(tokens, heads, 512, generator=gen).bfloat16(),
             torch.randn(tokens, heads, 64, generator=gen).bfloat16())
@@ -217,12 +233,13 @@ def test_fia_empty_shard_lse_is_made_minus_inf_before_any_merge():
     host = batch.host.for_rank(rank)
     assert host.local_prefix_lens[0] == 0
     rows, lens, positions = reference.local_metadata(batch.req_to_token, batch.seq_lens, rank, 2, 1)
-    out, lse = FIA(q, cache[:, :512].view(-1, 16, 512), cache[:, :512].view(-1, 16, 512), query_rope=q_rope,
-                   key_rope=cache[:, 512:].view(-1, 16, 64), num_heads=4, scale=0.1, input_layout="TND",
-                   num_key_value_heads=1, block_table=host.block_table, block_size=16,
+    device_cache = cache.to(NPU)
+    out, lse = FIA(q.to(NPU), device_cache[:, :512].view(-1, 16, 512), device_cache[:, :512].view(-1, 16, 512),
+                   query_rope=q_rope.to(NPU), key_rope=device_cache[:, 512:].view(-1, 16, 64), num_heads=4, scale=0.1,
+                   input_layout="TND", num_key_value_heads=1, block_table=host.block_table.to(NPU), block_size=16,
                    actual_seq_lengths=host.cumulative_query_lens, actual_seq_lengths_kv=list(host.local_prefix_lens),
                    sparse_mode=0, softmax_lse_flag=True)
-    lse = lse.view(6, 4)
+    out, lse = out.cpu(), lse.cpu().view(6, 4)
     assert torch.isposinf(lse[:3]).all()
     expected = reference.partial_attention(q, q_rope, cache, rows, lens, positions, batch.q_seq_ids, batch.positions, 0.1)
     args = (q, q_rope, cache, rows, lens, positions, batch.q_seq_ids, batch.positions, 0.1, 16)
@@ -244,7 +261,8 @@ def _packed(shards=2, tokens=3, heads=4, empty=()):
 
 
 def _attention_update(outs, lses):
-    return UPDATE(list(lses), list(outs), 0)[0]
+    """npu_attention_update on npu copies of host tensors; its merged output back on the host."""
+    return UPDATE([lse.to(NPU) for lse in lses], [out.to(NPU) for out in outs], 0)[0].cpu()
 
 
 def test_padded_row_empty_on_every_shard_merges_to_zero_not_nan():

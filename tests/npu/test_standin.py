@@ -1,9 +1,11 @@
-"""The CPU stand-ins of the Ascend ops: schemas, numerics against a dense reference, limits, fakes."""
+"""The stand-ins of the Ascend ops on the (emulated) npu device: schemas, numerics against a dense
+reference computed on CPU copies, limits, fakes, and no kernel for CPU tensors (as torch_npu's ops)."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -16,6 +18,7 @@ assert standin.register() is True
 
 fia = torch.ops.npu.npu_fused_infer_attention_score
 attention_update = torch.ops.npu.npu_attention_update
+NPU = "npu"
 
 HEADS = 4
 LATENT_DIM = 512
@@ -44,6 +47,28 @@ ASCEND_ATTENTION_UPDATE_SCHEMA = (
 # ---------------------------------------------------------------------------------------------
 
 
+def on_npu(value):
+    """value with every CPU tensor in it (in tuples, lists and dicts too) copied to the npu device."""
+    if isinstance(value, torch.Tensor):
+        return value.to(NPU) if value.device.type == "cpu" else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_npu(v) for v in value)
+    if isinstance(value, dict):
+        return {name: on_npu(v) for name, v in value.items()}
+    return value
+
+
+def on_cpu(value):
+    """value with every tensor in it copied to the host, for a reference or a comparison."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {name: on_cpu(v) for name, v in value.items()}
+    return value
+
+
 @dataclass
 class PagedCache:
     latent: torch.Tensor  # [NUM_BLOCKS, BLOCK_SIZE, 512] or [NUM_BLOCKS, 1, BLOCK_SIZE, 512]
@@ -51,8 +76,12 @@ class PagedCache:
     block_table: torch.Tensor  # [B, TABLE_WIDTH] int32
     kv_lens: list[int]
 
+    def cpu(self) -> "PagedCache":
+        return PagedCache(self.latent.cpu(), self.rope.cpu(), self.block_table.cpu(), list(self.kv_lens))
+
 
 def make_cache(kv_lens, seed=0, with_kv_head_dim=False) -> PagedCache:
+    """A paged cache on the npu device (generated on the host, copied there)."""
     generator = torch.Generator().manual_seed(seed)
     latent = torch.randn(NUM_BLOCKS, BLOCK_SIZE, LATENT_DIM, generator=generator).bfloat16()
     rope = torch.randn(NUM_BLOCKS, BLOCK_SIZE, ROPE_DIM, generator=generator).bfloat16()
@@ -61,15 +90,15 @@ def make_cache(kv_lens, seed=0, with_kv_head_dim=False) -> PagedCache:
     block_table = block_ids.reshape(len(kv_lens), TABLE_WIDTH).int()
     if with_kv_head_dim:
         latent, rope = latent.unsqueeze(1), rope.unsqueeze(1)
-    return PagedCache(latent, rope, block_table, list(kv_lens))
+    return PagedCache(latent.to(NPU), rope.to(NPU), block_table.to(NPU), list(kv_lens))
 
 
 def make_queries(total_tokens, seed=1):
-    """Token-major [T, N, 512] and [T, N, 64] bf16 queries."""
+    """Token-major [T, N, 512] and [T, N, 64] bf16 queries on the npu device."""
     generator = torch.Generator().manual_seed(seed)
     query = torch.randn(total_tokens, HEADS, LATENT_DIM, generator=generator).bfloat16()
     query_rope = torch.randn(total_tokens, HEADS, ROPE_DIM, generator=generator).bfloat16()
-    return query, query_rope
+    return query.to(NPU), query_rope.to(NPU)
 
 
 def to_layout(tokens, layout, batch):
@@ -116,11 +145,12 @@ def fia_call(cache, query_tokens, query_rope_tokens, layout, query_counts, **ove
 
 # ---------------------------------------------------------------------------------------------
 # Dense reference, written independently of the stand-in: explicit per-key block lookup and one
-# dot product over the concatenated [latent | rope] head dim.
+# dot product over the concatenated [latent | rope] head dim, on CPU copies of the inputs.
 # ---------------------------------------------------------------------------------------------
 
 
 def gather_keys(cache, request):
+    cache = cache.cpu()
     latent = cache.latent.reshape(NUM_BLOCKS, BLOCK_SIZE, LATENT_DIM)
     rope = cache.rope.reshape(NUM_BLOCKS, BLOCK_SIZE, ROPE_DIM)
     rows = []
@@ -143,7 +173,8 @@ def right_down_causal(request, query_count, kv_len):
 
 
 def reference_attention(cache, query_tokens, query_rope_tokens, query_counts, visible=all_visible):
-    """out [T, N, 512] fp32 and natural-log lse [T, N] fp32, token-major."""
+    """out [T, N, 512] fp32 and natural-log lse [T, N] fp32, token-major, on the host."""
+    cache, query_tokens, query_rope_tokens = cache.cpu(), query_tokens.cpu(), query_rope_tokens.cpu()
     outputs, lses = [], []
     start = 0
     for request, query_count in enumerate(query_counts):
@@ -168,8 +199,9 @@ def reference_attention(cache, query_tokens, query_rope_tokens, query_counts, vi
 
 
 def assert_matches_reference(attention_out, softmax_lse, layout, expected_out, expected_lse):
-    assert attention_out.dtype == torch.bfloat16
-    assert softmax_lse.dtype == torch.float32
+    assert attention_out.dtype == torch.bfloat16 and attention_out.device.type == NPU
+    assert softmax_lse.dtype == torch.float32 and softmax_lse.device.type == NPU
+    attention_out, softmax_lse = attention_out.cpu(), softmax_lse.cpu()
     tokens_out = out_to_tokens(attention_out, layout).float()
     torch.testing.assert_close(tokens_out, expected_out, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(lse_to_tokens(softmax_lse, layout), expected_lse, atol=1e-4, rtol=1e-5)
@@ -223,6 +255,28 @@ def test_register_defers_to_an_installed_torch_npu(monkeypatch):
     assert standin.register() is False
 
 
+def refused_on_cpu(name):
+    return pytest.raises(NotImplementedError, match=re.escape(f"Could not run 'npu::{name}' with arguments from the 'CPU' backend"))
+
+
+def test_cpu_tensors_reach_no_kernel_as_with_torch_npu():
+    """The kernels are the npu device's only: a call with CPU tensors is refused by the dispatcher,
+    as torch_npu's ops refuse it, instead of running on the host."""
+    inputs, keyword_args = on_cpu(base_decode_call())
+    with refused_on_cpu("npu_fused_infer_attention_score"):
+        fia(*inputs, **keyword_args)
+    buffers = dict(attention_out=torch.empty(3, 1, HEADS, LATENT_DIM, dtype=torch.bfloat16),
+                   softmax_lse=torch.empty(3, HEADS, 1, 1))
+    with refused_on_cpu("npu_fused_infer_attention_score.out"):
+        fia.out(*inputs, **keyword_args, **buffers)
+    with refused_on_cpu("_npu_fused_infer_attention_score_get_max_workspace"):
+        torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace(*inputs, **keyword_args)
+    lses, outs = on_cpu(update_inputs())
+    with refused_on_cpu("npu_attention_update"):
+        attention_update(lses, outs, 0)
+    assert fia(*on_npu(inputs), **on_npu(keyword_args))[0].device.type == NPU  # the same call on the device runs
+
+
 # ---------------------------------------------------------------------------------------------
 # FIA numerics
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +314,7 @@ def test_fia_sparse_mode_0_applies_the_mask_by_local_key_index(batched_mask):
     mask[:, :, :, 0] = False  # keep one key visible per row
     if not batched_mask:
         mask = mask[:1, 0]
-    inputs, keyword_args = fia_call(cache, query, query_rope, "BSND", query_counts, atten_mask=mask)
+    inputs, keyword_args = fia_call(cache, query, query_rope, "BSND", query_counts, atten_mask=mask.to(NPU))
 
     attention_out, softmax_lse = fia(*inputs, **keyword_args)
 
@@ -278,7 +332,7 @@ def test_fia_sparse_mode_3_is_right_down_causal(layout, query_counts):
     query, query_rope = make_queries(sum(query_counts))
     compressed_mask = ~torch.ones(2048, 2048, dtype=torch.bool).tril_()
     inputs, keyword_args = fia_call(
-        cache, query, query_rope, layout, query_counts, sparse_mode=3, atten_mask=compressed_mask
+        cache, query, query_rope, layout, query_counts, sparse_mode=3, atten_mask=compressed_mask.to(NPU)
     )
 
     attention_out, softmax_lse = fia(*inputs, **keyword_args)
@@ -294,11 +348,11 @@ def test_fia_lse_is_natural_log_of_the_scaled_scores():
 
     _, softmax_lse = fia(*inputs, **keyword_args)
 
-    scores = SCALE * torch.cat([query, query_rope], dim=-1)[0].float() @ gather_keys(cache, 0).T
+    scores = SCALE * torch.cat([query, query_rope], dim=-1)[0].cpu().float() @ gather_keys(cache, 0).T
     natural = torch.log(torch.exp(scores).sum(dim=-1))
     base_two = torch.log2(torch.exp2(scores).sum(dim=-1))
-    torch.testing.assert_close(softmax_lse.reshape(HEADS), natural, atol=1e-4, rtol=1e-5)
-    assert not torch.allclose(softmax_lse.reshape(HEADS), base_two, atol=1e-2)
+    torch.testing.assert_close(softmax_lse.cpu().reshape(HEADS), natural, atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(softmax_lse.cpu().reshape(HEADS), base_two, atol=1e-2)
 
 
 def test_fia_empty_request_gives_exact_zero_and_plus_inf_lse():
@@ -329,7 +383,7 @@ def test_fia_empty_batch_returns_empty_outputs():
 def test_fia_query_whose_mask_hides_every_key_gives_zero_and_minus_inf():
     cache = make_cache([17])
     query, query_rope = make_queries(2)
-    mask = torch.zeros(1, 1, 2, 17, dtype=torch.uint8)
+    mask = torch.zeros(1, 1, 2, 17, dtype=torch.uint8, device=NPU)
     mask[0, 0, 1] = 1
     inputs, keyword_args = fia_call(cache, query, query_rope, "BSND", [2], atten_mask=mask)
 
@@ -386,7 +440,8 @@ def test_fia_shards_merged_by_attention_update_equal_unsharded_attention():
     )
 
     expected_out, _ = reference_attention(cache, query, query_rope, [1, 1, 1])
-    torch.testing.assert_close(merged_out.float(), expected_out.reshape(-1, LATENT_DIM), atol=2e-2, rtol=1e-2)
+    assert merged_out.device.type == NPU
+    torch.testing.assert_close(merged_out.cpu().float(), expected_out.reshape(-1, LATENT_DIM), atol=2e-2, rtol=1e-2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,10 +453,10 @@ def test_fia_out_overload_writes_into_the_given_buffers():
     cache = make_cache([0, 17, 40])
     query, query_rope = make_queries(3)
     inputs, keyword_args = fia_call(cache, query, query_rope, "BNSD", [1, 1, 1])
-    attention_out = torch.full((3, HEADS, 1, LATENT_DIM), 7.0, dtype=torch.bfloat16)
-    softmax_lse = torch.full((3, HEADS, 1, 1), 7.0)
+    attention_out = torch.full((3, HEADS, 1, LATENT_DIM), 7.0, dtype=torch.bfloat16, device=NPU)
+    softmax_lse = torch.full((3, HEADS, 1, 1), 7.0, device=NPU)
 
-    returned = fia.out(*inputs, **keyword_args, workspace=torch.empty(1, dtype=torch.uint8),
+    returned = fia.out(*inputs, **keyword_args, workspace=torch.empty(1, dtype=torch.uint8, device=NPU),
                        attention_out=attention_out, softmax_lse=softmax_lse)
 
     assert returned[0] is attention_out and returned[1] is softmax_lse
@@ -414,9 +469,10 @@ def test_fia_out_overload_without_lse_flag_zeroes_a_one_element_lse():
     cache = make_cache([17])
     query, query_rope = make_queries(1)
     inputs, keyword_args = fia_call(cache, query, query_rope, "BSND", [1], softmax_lse_flag=False)
-    softmax_lse = torch.full((1,), 7.0)
+    softmax_lse = torch.full((1,), 7.0, device=NPU)
 
-    fia.out(*inputs, **keyword_args, attention_out=torch.empty(1, 1, HEADS, LATENT_DIM, dtype=torch.bfloat16),
+    fia.out(*inputs, **keyword_args,
+            attention_out=torch.empty(1, 1, HEADS, LATENT_DIM, dtype=torch.bfloat16, device=NPU),
             softmax_lse=softmax_lse)
 
     assert softmax_lse.item() == 0.0
@@ -428,15 +484,15 @@ def test_fia_out_overload_rejects_wrong_buffers(bad_buffer):
     query, query_rope = make_queries(1)
     inputs, keyword_args = fia_call(cache, query, query_rope, "BSND", [1])
     buffers = {
-        "attention_out": torch.empty(1, 1, HEADS, LATENT_DIM, dtype=torch.bfloat16),
-        "softmax_lse": torch.empty(1, HEADS, 1, 1),
+        "attention_out": torch.empty(1, 1, HEADS, LATENT_DIM, dtype=torch.bfloat16, device=NPU),
+        "softmax_lse": torch.empty(1, HEADS, 1, 1, device=NPU),
     }
     if bad_buffer == "attention_out_shape":
-        buffers["attention_out"] = torch.empty(1, HEADS, 1, LATENT_DIM, dtype=torch.bfloat16)
+        buffers["attention_out"] = torch.empty(1, HEADS, 1, LATENT_DIM, dtype=torch.bfloat16, device=NPU)
     elif bad_buffer == "attention_out_dtype":
         buffers["attention_out"] = buffers["attention_out"].half()
     else:
-        buffers["softmax_lse"] = torch.empty(1, HEADS, 1)
+        buffers["softmax_lse"] = torch.empty(1, HEADS, 1, device=NPU)
     with pytest.raises(ValueError, match=bad_buffer.rsplit("_", 1)[0]):
         fia.out(*inputs, **keyword_args, **buffers)
 
@@ -449,7 +505,7 @@ def test_get_max_workspace_validates_and_returns_one_byte():
 
     workspace = get_max_workspace(*inputs, **keyword_args)
 
-    assert workspace.shape == (1,) and workspace.dtype == torch.uint8
+    assert workspace.shape == (1,) and workspace.dtype == torch.uint8 and workspace.device.type == NPU
     with pytest.raises(ValueError, match="num_heads"):
         get_max_workspace(*inputs, **{**keyword_args, "num_heads": 3})
 
@@ -486,6 +542,7 @@ def test_fia_fake_and_meta_output_shapes(layout, query_counts, lse_flag, expecte
         fake_results = fia(*map(mode.from_tensor, inputs), **to_fake(mode, keyword_args))
     meta_results = fia(*(tensor.to("meta") for tensor in inputs), **to_meta(keyword_args))
 
+    assert fake_results[0].device.type == NPU and fake_results[1].device.type == NPU
     for attention_out, softmax_lse in (fake_results, meta_results):
         assert attention_out.shape == expected_out and attention_out.dtype == torch.bfloat16
         assert softmax_lse.shape == expected_lse and softmax_lse.dtype == torch.float32
@@ -500,8 +557,8 @@ def test_fia_fake_kernel_validates_at_trace_time():
 
 
 def test_attention_update_fake_and_meta_output_shapes():
-    lse = [torch.randn(6) for _ in range(2)]
-    local_out = [torch.randn(6, 16, dtype=torch.bfloat16) for _ in range(2)]
+    lse = [torch.randn(6, device=NPU) for _ in range(2)]
+    local_out = [torch.randn(6, 16, dtype=torch.bfloat16, device=NPU) for _ in range(2)]
     with FakeTensorMode() as mode:
         fake_results = attention_update(
             [mode.from_tensor(t) for t in lse], [mode.from_tensor(t) for t in local_out], 1
@@ -521,12 +578,13 @@ def test_opcheck():
         torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace.default, inputs, keyword_args
     )
     # The .out schema returns aliases, which AOT functionalization rejects for any custom op.
-    buffers = dict(attention_out=torch.empty(3, 1, HEADS, LATENT_DIM, dtype=torch.bfloat16),
-                   softmax_lse=torch.empty(3, HEADS, 1, 1))
+    buffers = dict(attention_out=torch.empty(3, 1, HEADS, LATENT_DIM, dtype=torch.bfloat16, device=NPU),
+                   softmax_lse=torch.empty(3, HEADS, 1, 1, device=NPU))
     torch.library.opcheck(
         fia.out, inputs, {**keyword_args, **buffers}, test_utils=("test_schema", "test_faketensor")
     )
-    torch.library.opcheck(attention_update.default, ([torch.randn(4)] * 2, [torch.randn(4, 8)] * 2, 1))
+    torch.library.opcheck(attention_update.default,
+                          ([torch.randn(4, device=NPU)] * 2, [torch.randn(4, 8, device=NPU)] * 2, 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,7 +641,7 @@ def with_query_len(query_len):
 
 
 def last_dim(size):
-    return lambda tensor: torch.zeros(*tensor.shape[:-1], size, dtype=tensor.dtype)
+    return lambda tensor: torch.zeros(*tensor.shape[:-1], size, dtype=tensor.dtype, device=tensor.device)
 
 
 FIA_VALUE_ERRORS = {
@@ -653,7 +711,7 @@ FIA_VALUE_ERRORS = {
 @pytest.mark.parametrize("limit", FIA_VALUE_ERRORS)
 def test_fia_limit_raises_value_error(limit):
     change, message = FIA_VALUE_ERRORS[limit]
-    inputs, keyword_args = change(*base_decode_call())
+    inputs, keyword_args = on_npu(change(*base_decode_call()))  # the masks above are made on the host
     with pytest.raises(ValueError, match=message):
         fia(*inputs, **keyword_args)
 
@@ -694,7 +752,7 @@ def test_fia_unimplemented_but_valid_inputs_raise_not_implemented(case):
 
 def test_fia_tnd_with_full_mask_is_not_implemented():
     inputs, keyword_args = base_decode_call(
-        "TND", (1, 1, 1), atten_mask=torch.zeros(1, 1, 1, 64, dtype=torch.bool)
+        "TND", (1, 1, 1), atten_mask=torch.zeros(1, 1, 1, 64, dtype=torch.bool, device=NPU)
     )
     with pytest.raises(NotImplementedError, match="TND"):
         fia(*inputs, **keyword_args)
@@ -720,20 +778,21 @@ def test_attention_update_matches_manual_merge(sources, dtype):
     lses = [torch.randn(10, generator=generator) * 3 for _ in range(sources)]
     outs = [torch.randn(10, 64, generator=generator).to(dtype) for _ in range(sources)]
 
-    merged_out, merged_lse = attention_update(lses, outs, 1)
+    merged_out, merged_lse = attention_update(on_npu(lses), on_npu(outs), 1)
 
     expected_out, expected_lse = manual_merge(lses, outs)
     assert merged_out.dtype == dtype and merged_lse.dtype == torch.float32
+    assert merged_out.device.type == NPU and merged_lse.device.type == NPU
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(merged_out.float(), expected_out, **tolerance)
-    torch.testing.assert_close(merged_lse, expected_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged_out.cpu().float(), expected_out, **tolerance)
+    torch.testing.assert_close(merged_lse.cpu(), expected_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_attention_update_reads_plus_inf_lse_as_minus_inf():
     lses = [torch.tensor([0.5, 1.0]), torch.tensor([math.inf, -0.3])]
     outs = [torch.randn(2, 8), torch.full((2, 8), 1e6)]
 
-    merged_out, merged_lse = attention_update(lses, outs, 1)
+    merged_out, merged_lse = on_cpu(attention_update(on_npu(lses), on_npu(outs), 1))
 
     torch.testing.assert_close(merged_out[0], outs[0][0])
     torch.testing.assert_close(merged_lse[0], lses[0][0])
@@ -745,15 +804,15 @@ def test_attention_update_row_with_every_lse_minus_inf_is_nan():
     lses = [torch.tensor([-math.inf, 0.0]), torch.tensor([math.inf, 0.0])]
     outs = [torch.zeros(2, 8), torch.zeros(2, 8)]
 
-    merged_out, merged_lse = attention_update(lses, outs, 1)
+    merged_out, merged_lse = on_cpu(attention_update(on_npu(lses), on_npu(outs), 1))
 
     assert torch.isnan(merged_out[0]).all() and torch.isnan(merged_lse[0])
     assert torch.isfinite(merged_out[1]).all()
 
 
 def update_inputs(sources=2, rows=4, head_dim=16, dtype=torch.float32):
-    lses = [torch.zeros(rows) for _ in range(sources)]
-    outs = [torch.zeros(rows, head_dim, dtype=dtype) for _ in range(sources)]
+    lses = [torch.zeros(rows, device=NPU) for _ in range(sources)]
+    outs = [torch.zeros(rows, head_dim, dtype=dtype, device=NPU) for _ in range(sources)]
     return lses, outs
 
 
@@ -781,8 +840,9 @@ ATTENTION_UPDATE_ERRORS = {
 @pytest.mark.parametrize("limit", ATTENTION_UPDATE_ERRORS)
 def test_attention_update_limit_raises_value_error(limit):
     change, message = ATTENTION_UPDATE_ERRORS[limit]
+    arguments = on_npu(change(*update_inputs()))  # the replacements above are made on the host
     with pytest.raises(ValueError, match=message):
-        attention_update(*change(*update_inputs()))
+        attention_update(*arguments)
 
 
 def test_attention_update_without_sources_raises():
@@ -796,7 +856,7 @@ def test_attention_update_without_sources_raises():
 def test_attention_update_accepts_its_documented_extremes():
     lses, outs = update_inputs(sources=16, rows=3, head_dim=512, dtype=torch.float16)
     merged_out, merged_lse = attention_update(lses, outs, 0)
-    assert merged_out.shape == (3, 512) and merged_out.dtype == torch.float16
+    assert merged_out.shape == (3, 512) and merged_out.dtype == torch.float16 and merged_out.device.type == NPU
     assert merged_lse.shape == (3,)
 
 

@@ -331,6 +331,12 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       at::native::resize_(npu, host_view.sizes(), std::nullopt);
       auto target = as_host(npu);
       at::native::copy_(target, host_view, false);
+    } else if (host_view.sizes() != npu.sizes() || host_view.strides() != npu.strides() ||
+               host_view.storage_offset() != npu.storage_offset()) {
+      // Resized within its storage (an empty out= argument given its shape, say): same bytes,
+      // new shape.
+      npu.unsafeGetTensorImpl()->set_sizes_and_strides(host_view.sizes(), host_view.strides(),
+                                                       host_view.storage_offset());
     }
   }
   const auto& returns = schema.returns();
