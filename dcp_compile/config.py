@@ -67,9 +67,6 @@ class DCPConfig:
             raise ValueError(f"torchair_mode must be 'reduce-overhead' or 'npugraph_ex', got {self.torchair_mode!r}")
         if self.kernels == "npu" and self.inner_compile == "inductor":
             raise ValueError("kernels='npu' runs with inner_compile='eager' (inductor does not lower the torch_npu ops)")
-        if self.kernels == "flashinfer" and self.inner_compile != "eager":
-            raise ValueError("kernels='flashinfer' runs with inner_compile='eager': its attention reads a plan made on "
-                             "the host before each step, which another compiler could reorder around")
         if self.fia_block_sizes not in FIA_BLOCK_SIZE_RULES:
             raise ValueError(f"fia_block_sizes must be one of {FIA_BLOCK_SIZE_RULES}, got {self.fia_block_sizes!r}")
         if not isinstance(self.debug_checks, bool):

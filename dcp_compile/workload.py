@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dcp_compile import cost_model
-from dcp_compile.config import DCPConfig
+from dcp_compile.config import INNER_COMPILERS, DCPConfig
 from dcp_compile.lowering import registry
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.models.config import MLAModelConfig, preset
@@ -60,6 +60,8 @@ class Workload:
     """gather-q, gather-kv, or auto (the cost model's pick per batch)."""
     debug_checks: bool = False
     """Run the debug-check passes too."""
+    inner_compile: str = "eager"
+    """The DCP model's inner compiler (DCPConfig.inner_compile: eager, inductor, torchair)."""
 
     default_dtype = "float32"
     device_type = "cpu"
@@ -82,6 +84,8 @@ class Workload:
         if not 1 <= self.draft_len <= WINDOW_QUERIES:
             raise ValueError(f"draft-len must be in [1, {WINDOW_QUERIES}] (verify's k), got {self.draft_len}")
         cost_model.check_strategy(self.attention_strategy)
+        if self.inner_compile not in INNER_COMPILERS:
+            raise ValueError(f"inner-compile must be one of {list(INNER_COMPILERS)}, got {self.inner_compile!r}")
         lowering = self.lowering()  # an unknown back end raises here
         if self.model is None:
             object.__setattr__(self, "model", SMALL_PRESETS.get(lowering.model_dims, "tiny"))
@@ -142,7 +146,8 @@ class Workload:
 
     def config(self, **fields) -> DCPConfig:
         return DCPConfig(dcp_size=self.dcp_size, interleave=self.interleave, kernels=self.kernels,
-                         attention_strategy=self.attention_strategy, debug_checks=self.debug_checks, **fields)
+                         attention_strategy=self.attention_strategy, debug_checks=self.debug_checks,
+                         inner_compile=self.inner_compile, **fields)
 
     def model_config(self) -> MLAModelConfig:
         cfg = preset(self.model)

@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from dcp_compile.config import INNER_COMPILERS
 from dcp_compile.lowering import registry
 from dcp_compile.cost_model import STRATEGIES
 from dcp_compile.runtime.launch import DEFAULT_TIMEOUT_S
@@ -89,6 +90,9 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int, default=128,
                    help="--kernels npu: FIA block size, 16 or 128 (default 128, as the engines use; 16 makes short "
                         "contexts cross blocks); pages are block x dcp_size locations")
+    p.add_argument("--inner-compile", default="eager", choices=INNER_COMPILERS,
+                   help="the DCP model's compiler after the DCP passes: eager (run the FX graph, default), inductor, "
+                        "or torchair (Ascend; needs torch_npu); the dcp_size=1 baseline runs eager")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"),
                    help="ranks on CPU (gloo, default), one CUDA GPU each (NCCL) or one Ascend NPU each (HCCL, needs torch_npu, or DCP_COMPILE_NPU_EMULATOR=1 for the emulated device)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
@@ -123,7 +127,7 @@ def run(args) -> int:
         page_size=args.page_size, shared_prefix=args.shared_prefix, dcp_size=args.dcp_size, tp_size=args.tp_size or args.dcp_size, batch=args.batch,
         contexts=_lengths(args.context or DEFAULT_CONTEXT), steps=args.steps, seed=args.seed, layers=args.layers,
         interleave=args.interleave, pad_rows=args.pad_rows, kernels=args.kernels, block_size=args.block_size,
-        device=args.device, timeout=args.timeout,
+        device=args.device, timeout=args.timeout, inner_compile=args.inner_compile,
         model=args.model, dtype=args.dtype,
         checkpoint=args.checkpoint, prompt_ids=prompt_ids, graphs=args.graphs,
     )

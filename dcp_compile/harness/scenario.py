@@ -340,7 +340,8 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
             model = MLAModel(cfg, seed=scenario.seed, **common)
         return api.apply(model, dcp_size, interleave=scenario.interleave if dcp_size > 1 else 1,
                          debug_checks=scenario.debug_checks, attention_strategy=scenario.attention_strategy,
-                         kernels=scenario.kernels if dcp_size > 1 else scenario.baseline_kernels)
+                         kernels=scenario.kernels if dcp_size > 1 else scenario.baseline_kernels,
+                         inner_compile=scenario.inner_compile if dcp_size > 1 else "eager")
 
     start = time.perf_counter()
     base_driver = Driver(make(1), scenario, cfg.vocab_size)

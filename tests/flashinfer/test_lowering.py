@@ -239,9 +239,34 @@ def test_dcp2_matches_dcp1(scenario):
 # --- Selection and bad input ------------------------------------------------------------------------
 
 
-def test_flashinfer_runs_with_the_eager_inner_compiler_only():
-    with pytest.raises(ValueError, match="inner_compile='eager'"):
-        dcp_compile.DCPConfig(kernels="flashinfer", inner_compile="inductor")
+# --- Under inductor -------------------------------------------------------------------------------
+# The plan is a host-fed graph input (runtime.host_inputs), so any inner compiler runs the lowered
+# graph: inductor compiles the rest of the model around dcp_flashinfer::mla_paged_attention.
+
+
+def test_inductor_equals_eager_at_dcp1_and_plans_every_step():
+    inductor, eager = tiny_model("flashinfer", inner_compile="inductor"), tiny_model("flashinfer")
+    tables = [RequestTable(4, 64, 2048, PAGE) for _ in range(2)]
+    steps = [[[1] * 5, [2] * 19, [3]], [[4]] * 3, [[5]] * 3, [[6] * 7] * 3]  # prefill, decode twice, verify
+    for tokens in steps:
+        outs = []
+        for model, table in zip((inductor, eager), tables):
+            batch = table.extend_batch([0, 1, 2], tokens, pad_rows=1)
+            outs.append(model(*batch.args(), host_metadata=batch.host))
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+        plan = dcp_compile.state(inductor).host_slot.fed[0].plans[0]
+        assert plan.planned_for[1] == tuple(int(n) for n in tables[0].seq_lens[:3]) + (0,)  # this step's lengths
+    compiled = dcp_compile.state(inductor).backends["gather-q"].reports
+    assert len(compiled) == 3  # prefill, decode, verify: one static graph per batch shape, decode compiled once
+
+
+def test_inductor_at_dcp2_over_gloo_matches_dcp1():
+    scenario = Scenario(mode="verify", draft_len=3, dcp_size=2, tp_size=2, batch=3, contexts=(1, 9, 30), steps=2,
+                        seed=23, kernels="flashinfer", page_size=8, inner_compile="inductor", layers=1)
+    result = compare(scenario)
+    assert result["finite"] and result["outputs_match"] and result["tokens_match"]
+    assert result["max_abs_diff"] < result["tolerance"]
+    assert result["pass_summary"]["lower_flashinfer_attention"] > 0
 
 
 def test_auto_falls_back_to_triton_with_one_log_line(monkeypatch, caplog):
@@ -254,7 +279,7 @@ def test_auto_falls_back_to_triton_with_one_log_line(monkeypatch, caplog):
         "kernels='auto': the Triton attention kernel, not FlashInfer: flashinfer cannot be imported (test)"]
     monkeypatch.setattr(flashinfer, "unsupported_reason", lambda *a: None)
     assert registry.resolve("auto", pool, config).name == "flashinfer"
-    assert registry.resolve("auto", pool, dataclasses.replace(config, inner_compile="inductor")).name == "triton"
+    assert registry.resolve("auto", pool, dataclasses.replace(config, inner_compile="inductor")).name == "flashinfer"
 
 
 def test_unsupported_setups_say_why():

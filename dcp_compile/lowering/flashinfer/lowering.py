@@ -25,8 +25,6 @@ class FlashInferLowering(Lowering):
             reason = flashinfer.unsupported_reason(pool.device, pool.kv_lora_rank, pool.rope_dim, pool.dtype)
             if reason is not None:
                 return reason
-        if config.inner_compile != "eager":
-            return f"inner_compile={config.inner_compile!r} (FlashInfer runs with 'eager')"
         if layout.local_block_size(pool.page_size, config.dcp_size, config.interleave) is None:
             return (f"page size {pool.page_size} with interleave {config.interleave} over dcp_size {config.dcp_size} "
                     "does not map onto whole local blocks (FlashInfer's pages)")
