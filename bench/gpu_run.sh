@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, each under its own time limit.
-# Usage: bench/gpu_run.sh OUT_DIR [tests|kernels|decode|lowerings|dcp-step]...   (default: tests kernels decode)
+# Usage: bench/gpu_run.sh OUT_DIR [tests|kernels|decode|lowerings|step|dcp-step]...   (default: tests kernels decode)
 # FlashInfer travels as wheels (README, "On NVIDIA GPUs"): put them in WHEELS (default .whl) to install them here.
 set -u
 out=${1:?usage: bench/gpu_run.sh OUT_DIR [parts]}; shift
@@ -20,6 +20,8 @@ for part in $parts; do
     kernels) timeout "${KERNELS_S:-240}" python3 bench/kernels.py --out "$out/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$out/kernels.log" | tail -40 ;;
     decode) timeout "${DECODE_S:-300}" torchrun --nproc-per-node 2 bench/decode.py --out "$out/decode.json" --plot "$out/decode.png" ${DECODE_ARGS:-} 2>&1 | tee "$out/decode.log" | grep -v "^W1" | tail -60 ;;
     lowerings) timeout "${LOWERINGS_S:-300}" python3 bench/lowerings.py --out "$out/lowerings.json" ${LOWERINGS_ARGS:-} 2>&1 | tee "$out/lowerings.log" | tail -70 ;;
+    step) timeout "${STEP_S:-420}" torchrun --nproc-per-node 1 bench/step.py --out "$out/step.json" ${STEP_ARGS:-} 2>&1 | tee "$out/step.log" | grep -v "^W1" | tail -40
+          python3 bench/report_step.py "$out/step.json" --plot "$out/step.png" > "$out/step_table.md" 2>&1 ;;
     dcp-step) timeout "${DCP_STEP_S:-420}" torchrun --nproc-per-node 2 bench/dcp_step.py --out "$out/dcp_step.json" ${DCP_STEP_ARGS:-} 2>&1 | tee "$out/dcp_step.log" | grep -v "^W1" | tail -60 ;;
   esac
 done

@@ -1,0 +1,314 @@
+"""The whole decode / verify step on one GPU against its roofline floor, per (lowering, inner compiler).
+
+    torchrun --nproc-per-node 1 bench/step.py --out bench/results/step_h200.json
+    python bench/report_step.py bench/results/step_h200.json --plot bench/results/step_h200.png
+    python bench/step.py --smoke --out /tmp/step.json      # CPU, 2 tiny layers: checks the script
+
+The model is a 61-layer Kimi-K2-shaped stack at DCP = 1 on one GPU: 64 heads, R = 512, P = 64,
+real-sized attention weights, a 2048-wide MLP, a 4k vocabulary, bf16. Its layers share one KV
+buffer (every layer still reads the whole context from HBM: 40x the L2), so batch 64 at 128k fits.
+Each step is replayed from a CUDA graph holding `repeats` steps.
+
+For each (lowering, inner compiler) and case (decode at --decode-batches, verify k = --draft at
+--verify-batches, at each context):
+  - step_seconds: the median step time;
+  - floor_seconds: the larger of (weights + KV bytes read) at the copy rate, and the step's FLOPs
+    at the matmul rate, both measured in this run (bench/kernels.py's copy: read + write bytes
+    over time; an 8192^3 bf16 matmul);
+  - attention_seconds: one attention layer alone (KV write + attention, the same lowering, in a
+    graph) times the layer count; rest_seconds = step - attention;
+  - compile_seconds: the first call of that batch shape (tracing, the DCP passes, the inner
+    compiler). Per combination, cold (empty inductor cache, set for this run) and warm (a fresh
+    model after torch._dynamo.reset(), the on-disk caches kept) compile times of the first shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+if "--smoke" not in sys.argv and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dcp_step_inductor_")  # cold: a fresh cache
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import dcp_compile  # noqa: E402
+from dcp_step import host_metadata, page_size, shared_kv_allocate, stack_batch  # noqa: E402
+from decode import AttentionLayer, Timer, fill_random  # noqa: E402
+from dcp_compile.models.config import preset  # noqa: E402
+from dcp_compile.models.mla import MLAModel  # noqa: E402
+from dcp_compile.runtime import parallel  # noqa: E402
+from dcp_compile.runtime.kv_pool import MLAKVPool  # noqa: E402
+from dcp_compile.runtime.launch import init_from_env  # noqa: E402
+
+TARGETS = [  # (k, batch, context, fraction of the floor): issue 20
+    (1, 4, 131072, 0.80), (1, 16, 131072, 0.85), (7, 4, 131072, 0.75)]
+COMPILE_TARGETS = {"cold_seconds": 90.0, "warm_seconds": 15.0}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results/step.json")
+    p.add_argument("--combos", default="flashinfer:inductor,flashinfer:eager,triton:inductor,triton:eager",
+                   help="lowering:inner_compile pairs")
+    p.add_argument("--contexts", default="32768,131072")
+    p.add_argument("--decode-batches", default="4,16,64")
+    p.add_argument("--verify-batches", default="4,16")
+    p.add_argument("--draft", type=int, default=7)
+    p.add_argument("--layers", type=int, default=61)
+    p.add_argument("--replays", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=2, help="steps per captured graph")
+    p.add_argument("--no-warm", action="store_true", help="skip the warm-compile measurement")
+    p.add_argument("--budget-s", type=float, default=1e9, help="no new combination starts after this many seconds")
+    p.add_argument("--smoke", action="store_true", help="CPU, 2 tiny layers, torch kernels: checks the script")
+    args = p.parse_args(argv)
+    args.combos = [tuple(c.split(":")) for c in args.combos.split(",") if c]
+    for name in ("contexts", "decode_batches", "verify_batches"):
+        setattr(args, name, [int(v) for v in getattr(args, name).split(",") if v])
+    if args.smoke:
+        args.combos = [("torch", "eager")]
+        args.contexts, args.decode_batches, args.verify_batches, args.layers = [256], [2], [2], 2
+        args.replays, args.repeats = 2, 1
+    return args
+
+
+def cases(args) -> list[tuple[int, int, int]]:
+    """(k, batch, context), the larger steps last."""
+    shapes = [(1, b) for b in args.decode_batches] + [(args.draft, b) for b in args.verify_batches]
+    return [(k, batch, context) for k, batch in shapes for context in args.contexts]
+
+
+def model_config(args):
+    base = preset("tiny-512") if args.smoke else preset("kimi-k2")
+    mlp = {} if args.smoke else {"intermediate_size": 2048}
+    return base.replace(vocab_size=4096, layer_types=("mla",) * args.layers, **mlp)  # stack_batch's ids are < 4096
+
+
+def capacity(args) -> int:
+    return max(args.decode_batches + args.verify_batches) * max(args.contexts) + 2 * page_size(1)
+
+
+def weight_bytes_and_params(model) -> tuple[int, int]:
+    """Bytes and parameters one step reads: every weight but the embedding table (it reads rows)."""
+    embedding = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    params = [p for p in model.parameters() if id(p) not in embedding]
+    return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params)
+
+
+def floor(cfg, weights: tuple[int, int], k: int, batch: int, context: int, copy_rate: float, matmul_rate: float) -> dict:
+    tokens, row_bytes = batch * k, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    kv_bytes = cfg.num_layers * batch * context * row_bytes
+    attention_flops = cfg.num_layers * tokens * cfg.num_heads * context * 2 * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    flops = 2 * weights[1] * tokens + attention_flops
+    seconds = max((weights[0] + kv_bytes) / copy_rate, flops / matmul_rate)
+    return {"weight_bytes": weights[0], "kv_bytes": kv_bytes, "flops": flops, "floor_seconds": seconds,
+            "floor_bound": "memory" if (weights[0] + kv_bytes) / copy_rate >= flops / matmul_rate else "compute"}
+
+
+def timed_first_call(fn, device) -> float:
+    started = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def build(args, cfg, lowering: str, inner: str, device, tp):
+    model = MLAModel(cfg, kv_capacity=capacity(args), max_requests=max(args.decode_batches + args.verify_batches), par=tp,
+                     dtype=torch.bfloat16, device=device, page_size=page_size(1))
+    compiled = dcp_compile.apply(model, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=lowering,
+                                 inner_compile=inner)
+    fill_random(model.kv_pool.cache(0))
+    return model, compiled
+
+
+def run_case(compiled, batch: int, context: int, k: int, width: int, device, fn):
+    step, slot = compiled.compiled("gather-q"), dcp_compile.state(compiled).host_slot
+    inputs = stack_batch(batch, context, k, 1, device, width).args()
+    slot.begin(host_metadata(batch, context, k, 1, width))
+    try:
+        return fn(lambda: step(*inputs))
+    finally:
+        slot.end()
+
+
+def attention_layer_seconds(args, cfg, lowering: str, device, tp, timer) -> dict:
+    """One attention layer (KV write + attention over the context), per case, in a graph."""
+    layer = AttentionLayer(cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, capacity(args), torch.bfloat16, device,
+                           tp, page_size=page_size(1))
+    model = dcp_compile.apply(layer, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=lowering)
+    fill_random(layer.kv_pool.cache(0))
+    step, slot = model.compiled("gather-q"), dcp_compile.state(model).host_slot
+    width, out = max(args.contexts), {}
+    for k, batch, context in cases(args):
+        table = stack_batch(batch, context, k, 1, device, width)
+        tokens = batch * k
+        gen = torch.Generator(device=device).manual_seed(tokens + context)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
+        inputs = (rand(tokens, cfg.num_heads, cfg.kv_lora_rank), rand(tokens, cfg.num_heads, cfg.qk_rope_head_dim),
+                  rand(tokens, cfg.kv_lora_rank), rand(tokens, cfg.qk_rope_head_dim), table.out_loc, table.req_to_token,
+                  table.seq_lens, table.q_seq_ids, table.positions)
+        slot.begin(host_metadata(batch, context, k, 1, width))
+        try:
+            out[(k, batch, context)] = timer(lambda: step(*inputs))["seconds"]
+        finally:
+            slot.end()
+    del model, layer
+    return out
+
+
+def bench_combo(args, cfg, lowering: str, inner: str, device, tp, rates: dict, result: dict) -> None:
+    timer = Timer(device, args.replays, repeats=args.repeats)
+    attention = attention_layer_seconds(args, cfg, lowering, device, tp, timer)
+    started = time.perf_counter()
+    model, compiled = build(args, cfg, lowering, inner, device, tp)
+    build_seconds = time.perf_counter() - started
+    weights = weight_bytes_and_params(model)
+    width = max(args.contexts)
+    compile_row = {"lowering": lowering, "inner_compile": inner, "model_build_seconds": build_seconds}
+    for k, batch, context in cases(args):
+        row = {"lowering": lowering, "inner_compile": inner, "context": context, "batch": batch, "k": k,
+               "layers": cfg.num_layers}
+        try:
+            row["compile_seconds"] = run_case(compiled, batch, context, k, width, device,
+                                              lambda fn: timed_first_call(fn, device))
+            timing = run_case(compiled, batch, context, k, width, device, timer)
+            row.update(step_seconds=timing["seconds"], graph=timing["graph"])
+            if "capture_error" in timing:
+                row["capture_error"] = timing["capture_error"]
+        except Exception as error:  # noqa: BLE001 - reported, the run goes on
+            row.update(step_seconds=float("nan"), error=f"{type(error).__name__}: {error}"[:400])
+        row.update(floor(cfg, weights, k, batch, context, rates["copy_bytes_per_s"], rates["matmul_flops_per_s"]))
+        row["fraction_of_floor"] = row["floor_seconds"] / row["step_seconds"]
+        row["attention_seconds"] = attention[(k, batch, context)] * cfg.num_mla_layers
+        row["rest_seconds"] = row["step_seconds"] - row["attention_seconds"]
+        result["cases"].append(row)
+        print(f"{lowering:>10} {inner:>8} ctx {context:>6} b {batch:>3} k {k} step {row['step_seconds'] * 1e3:8.2f} ms "
+              f"floor {row['floor_seconds'] * 1e3:7.2f} ms ({row['fraction_of_floor']:.0%}) attention "
+              f"{row['attention_seconds'] * 1e3:7.2f} ms, first call {row.get('compile_seconds', float('nan')):6.1f} s "
+              f"{row.get('error', '')}", flush=True)
+    first = next(r for r in result["cases"] if (r["lowering"], r["inner_compile"]) == (lowering, inner))
+    compile_row["cold_seconds"] = first.get("compile_seconds")
+    del compiled, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not args.no_warm:
+        torch._dynamo.reset()
+        model, compiled = build(args, cfg, lowering, inner, device, tp)
+        k, batch, context = cases(args)[0]
+        compile_row["warm_seconds"] = run_case(compiled, batch, context, k, width, device,
+                                               lambda fn: timed_first_call(fn, device))
+        del compiled, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    result["compile"].append(compile_row)
+    print(f"{lowering:>10} {inner:>8} compile: cold {compile_row['cold_seconds']:.1f} s, warm "
+          f"{compile_row.get('warm_seconds', float('nan')):.1f} s", flush=True)
+
+
+def measure_rates(args, device) -> dict:
+    if device.type != "cuda":
+        return {"copy_bytes_per_s": 1e10, "matmul_flops_per_s": 1e11, "note": "--smoke: nominal rates, nothing measured"}
+    from kernels import copy_bandwidth
+    from lowerings import matmul_rate
+
+    copy = copy_bandwidth(torch, 4.0, args.replays)
+    rates = {"copy_bytes_per_s": copy["bytes_per_s"], "copy": copy, "matmul_flops_per_s": matmul_rate(torch, args.replays)}
+    torch.cuda.empty_cache()
+    return rates
+
+
+def summary(result: dict) -> list[str]:
+    lines = []
+    for k, batch, context, target in TARGETS:
+        for row in result["cases"]:
+            if (row["k"], row["batch"], row["context"]) == (k, batch, context) and row["step_seconds"] == row["step_seconds"]:
+                met = row["fraction_of_floor"] >= target
+                lines.append(f"{row['lowering']}+{row['inner_compile']} k={k} b={batch} ctx={context}: "
+                             f"{row['fraction_of_floor']:.1%} of the floor (target {target:.0%}, {'met' if met else 'missed'})")
+    for row in result["compile"]:
+        for key, limit in COMPILE_TARGETS.items():
+            if row.get(key) is not None:
+                lines.append(f"{row['lowering']}+{row['inner_compile']} {key.replace('_', ' ')} {row[key]:.1f} s "
+                             f"(target < {limit:.0f} s, {'met' if row[key] < limit else 'missed'})")
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    rank, world = init_from_env("gloo" if args.smoke else "nccl")
+    if world != 1:
+        raise SystemExit(f"bench/step.py runs on one GPU (torchrun --nproc-per-node 1), got {world} ranks")
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
+    tp = parallel.build(1, 1)
+    cfg = model_config(args)
+    started = time.time()
+    result = {
+        "command": ("python " if args.smoke else "torchrun --nproc-per-node 1 ") + " ".join(shlex.quote(a) for a in sys.argv),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
+                     "triton": __import__("triton").__version__ if device.type == "cuda" else None,
+                     "flashinfer": _flashinfer_version()},
+        "shapes": {"model": "kimi-k2" if not args.smoke else "tiny-512", "layers": cfg.num_layers, "heads": cfg.num_heads,
+                   "kv_lora_rank": cfg.kv_lora_rank, "rope_dim": cfg.qk_rope_head_dim, "intermediate_size": 2048,
+                   "vocab_size": cfg.vocab_size, "dtype": "bfloat16", "page_size": page_size(1), "draft": args.draft,
+                   "repeats_per_graph": args.repeats},
+        "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "cases": [], "compile": [],
+    }
+    result.update(measure_rates(args, device))
+
+    def save() -> None:
+        result["seconds"] = time.time() - started
+        result["targets"] = summary(result)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+    original = MLAKVPool._allocate
+    MLAKVPool._allocate = shared_kv_allocate
+    try:
+        for lowering, inner in args.combos:
+            if time.time() - started > args.budget_s:
+                result.setdefault("skipped", []).append(f"{lowering}:{inner} (budget)")
+                continue
+            bench_combo(args, cfg, lowering, inner, device, tp, result, result)
+            save()
+    finally:
+        MLAKVPool._allocate = original
+    save()
+    print("\n".join(result["targets"]))
+    print(f"wrote {args.out} in {result['seconds']:.0f} s")
+    dist.destroy_process_group()
+    return 0
+
+
+def _flashinfer_version():
+    try:
+        return __import__("flashinfer").__version__
+    except Exception:  # noqa: BLE001 - absent on CPU
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
