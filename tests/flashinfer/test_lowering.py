@@ -204,7 +204,7 @@ def test_runner_plans_before_every_replay_and_catches_a_skipped_plan(monkeypatch
     prefill = table.extend_batch([0, 1, 2], [[1] * 5, [2] * 9, [3] * 2])
     model(*prefill.args(), host_metadata=prefill.host)
     state = dcp_compile.state(model)
-    runner = GraphRunner(model.compiled("gather-q"), buckets=(4,), graphs=FakeGraphs(), host_slot=state.host_slot, debug=True)
+    runner = GraphRunner(model.compiled("gather-q"), buckets=(4,), graphs=FakeGraphs(device="cpu"), host_slot=state.host_slot, debug=True)
     runner(table.extend_batch([0, 1, 2], [[1]] * 3))
     plan = runner.captured[(4, 1, 64)].feeds[0].plans[0]
     assert plan.planned_for == ((1, 1, 1, 1), (6, 10, 3, 0))

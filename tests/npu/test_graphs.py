@@ -70,9 +70,8 @@ class FakeGraphs:
     replay records the FIA lengths pushed to the graph (or drops them, to stand for an update
     that did not happen)."""
 
-    device = NPU
-
-    def __init__(self, drop_updates: bool = False):
+    def __init__(self, drop_updates: bool = False, device: str = NPU):
+        self.device = torch.device(device)
         self.drop_updates, self.captures, self.pushed = drop_updates, 0, []
         self._applied = {}
 

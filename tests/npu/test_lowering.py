@@ -102,7 +102,7 @@ def test_fia_limits_are_checked_before_compiling():
         padded_heads(256)
     with pytest.raises(ValueError, match="whole\\s+local blocks"):
         fia_block_size(12, 2, 4)
-    with pytest.raises(ValueError, match="multiple of 16"):
+    with pytest.raises(ValueError, match="16 or 128"):
         fia_block_size(8, 2, 1)
     cfg = preset("tiny-512")
     on_npu = dict(page_size=16, device=NPU)

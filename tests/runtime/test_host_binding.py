@@ -99,7 +99,7 @@ def test_metadata_made_by_hand_must_be_bound(served):
     with pytest.raises(StaleHostMetadataError, match="not built for this batch"):
         model(*copies, host_metadata=by_hand)
     assert torch.isfinite(model(*copies, host_metadata=by_hand.bind(*copies))).all()
-    rebuilt = HostMetadata.from_tensors(batch.req_to_token, batch.seq_lens, batch.q_seq_ids, 1, 1, PAGE)
+    rebuilt = HostMetadata.from_tensors(batch.req_to_token.cpu(), batch.seq_lens.cpu(), batch.q_seq_ids.cpu(), 1, 1, PAGE)
     assert rebuilt.local_seq_lens == host.local_seq_lens and torch.equal(rebuilt.block_tables, host.block_tables)
     rebuilt.bind(*batch.args())
     assert torch.isfinite(model(*batch.args(), host_metadata=rebuilt)).all()

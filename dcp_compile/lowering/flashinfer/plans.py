@@ -173,7 +173,12 @@ class FlashInferPlan:
             raise ValueError(f"the KV shard's {kv_cache.shape[0]} rows are not whole blocks of {spec.block_size}")
         latent = kv_cache[:, : spec.rank_dim].unflatten(0, (-1, spec.block_size))
         rope = kv_cache[:, spec.rank_dim :].unflatten(0, (-1, spec.block_size))
-        return self.wrapper.run(query=(q_latent, q_rope), kv_cache=(latent, rope), return_lse=True,
+        # Contiguous outputs, as the op's fake says: left to itself FlashInfer allocates out like
+        # q_latent, whose strides follow the absorbed matmul (head-major), and a compiler that
+        # trusts the fake (inductor) would read it wrongly.
+        out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+        lse = torch.empty(q_latent.shape[:2], dtype=torch.float32, device=q_latent.device)
+        return self.wrapper.run(query=(q_latent, q_rope), kv_cache=(latent, rope), out=out, lse=lse, return_lse=True,
                                 return_lse_base_on_e=True)
 
 
@@ -183,7 +188,7 @@ def mla_paged_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: 
     """Attention of q over the rank's KV shard as planned by the plan whose kv_indices buffer is
     `plan`. Returns out [T, H, R] in q's dtype and lse [T, H] fp32 (natural log)."""
     out, lse = plan_of(plan).run(q_latent, q_rope, kv_cache)
-    return out, lse
+    return out.contiguous(), lse.contiguous()  # the fake's layout, whatever the kernel did
 
 
 @mla_paged_attention.register_fake

@@ -77,7 +77,7 @@ class ReferenceMLAWrapper:
                           kv_cache_layout=kv_cache_layout, lse_mode=lse_mode)
         self.plans.append(self._plan)
 
-    def run(self, *, query, kv_cache, return_lse: bool = False, return_lse_base_on_e: bool = False):
+    def run(self, *, query, kv_cache, out=None, lse=None, return_lse: bool = False, return_lse_base_on_e: bool = False):
         plan = self._plan
         if plan is None:
             raise RuntimeError("BatchMLAPagedAttentionWrapper.run() called before plan().")
@@ -91,6 +91,7 @@ class ReferenceMLAWrapper:
             raise ValueError("q_nope rows and heads must match the planned query shape.")
         if ckv.shape[1] != plan["page_size"] or q_nope.dtype != plan["q_data_type"] or ckv.dtype != plan["kv_data_type"]:
             raise ValueError("the run's page size or dtypes do not match the plan")
+        given_out, given_lse = out, lse  # FlashInfer writes into these when given
         out = torch.zeros(q_nope.shape, dtype=torch.float32, device=q_nope.device)
         lse = torch.full(q_nope.shape[:2], -math.inf, dtype=torch.float32, device=q_nope.device)
         for row in range(csr["kv_len_arr"].numel()):
@@ -114,4 +115,8 @@ class ReferenceMLAWrapper:
         if not return_lse_base_on_e:
             lse = lse / math.log(2.0)
         out = out.to(q_nope.dtype)
+        if given_out is not None:
+            out = given_out.copy_(out)
+        if given_lse is not None:
+            lse = given_lse.copy_(lse)
         return (out, lse) if return_lse else out
