@@ -261,6 +261,8 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     parallel.validate_sizes(current.tp_size, config.dcp_size, world)
     lowering = registry.resolve(config.kernels, pool, config)
     config = config.replace(kernels=lowering.name)
+    if config.inner_compile == "auto":
+        config = config.replace(inner_compile=lowering.inner_compile(pool))
     lowering.check(model, pool, config)
     if config.inner_compile == "torchair":
         require_torch_npu("inner_compile='torchair'")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-INNER_COMPILERS = ("eager", "inductor", "torchair")
+INNER_COMPILERS = ("auto", "eager", "inductor", "torchair")
 FIA_BLOCK_SIZE_RULES = ("cann-2025", "cann-2026")
 
 
@@ -17,9 +17,11 @@ class DCPConfig:
     interleave: int = 1
     """I: consecutive logical locations owned by one rank (1 = token-interleaved)."""
 
-    inner_compile: str = "eager"
-    """Compiler run on the rewritten graph: 'eager' (run the FX graph), 'inductor', or 'torchair'
-    (Ascend: NPU graph capture through torchair; needs torch_npu)."""
+    inner_compile: str = "auto"
+    """Compiler run on the rewritten graph: 'eager' (run the FX graph), 'inductor', 'torchair'
+    (Ascend: NPU graph capture through torchair; needs torch_npu), or 'auto': the kernel back
+    end's fastest measured one (inductor for flashinfer and triton on CUDA, eager elsewhere).
+    apply() records the compiler it resolved here."""
 
     torchair_mode: str = "reduce-overhead"
     """inner_compile='torchair': 'reduce-overhead' (aclgraph) or 'npugraph_ex' (torch_npu >= 2.14)."""

@@ -60,8 +60,8 @@ class Workload:
     """gather-q, gather-kv, or auto (the cost model's pick per batch)."""
     debug_checks: bool = False
     """Run the debug-check passes too."""
-    inner_compile: str = "eager"
-    """The DCP model's inner compiler (DCPConfig.inner_compile: eager, inductor, torchair)."""
+    inner_compile: str = "auto"
+    """The DCP model's inner compiler (DCPConfig.inner_compile: auto, eager, inductor, torchair)."""
 
     default_dtype = "float32"
     device_type = "cpu"

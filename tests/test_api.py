@@ -142,6 +142,20 @@ def test_inductor_inner_compile_matches_eager():
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_inner_compile_auto_is_each_back_ends_fastest_measured():
+    """auto: inductor for the CUDA kernels (bench/results/step_h200.json), eager elsewhere; apply records it."""
+    from types import SimpleNamespace
+
+    from dcp_compile.lowering import registry
+
+    assert dcp_compile.DCPConfig().inner_compile == "auto"
+    assert dcp_compile.state(dcp_compile.apply(_model(), 1)).config.inner_compile == "eager"  # a CPU pool
+    cuda, cpu = SimpleNamespace(device=torch.device("cuda")), SimpleNamespace(device=torch.device("cpu"))
+    assert {name: registry.get(name).inner_compile(cuda) for name in ("torch", "triton", "flashinfer", "npu")} == {
+        "torch": "eager", "triton": "inductor", "flashinfer": "inductor", "npu": "eager"}
+    assert {registry.get(name).inner_compile(cpu) for name in ("triton", "flashinfer")} == {"eager"}
+
+
 def test_resharding_a_pool_that_holds_kv_is_an_error():
     """apply() on a model whose pool already holds KV used to wipe it silently."""
     model = _model()

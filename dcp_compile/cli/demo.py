@@ -90,9 +90,10 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int, default=128,
                    help="--kernels npu: FIA block size, 16 or 128 (default 128, as the engines use; 16 makes short "
                         "contexts cross blocks); pages are block x dcp_size locations")
-    p.add_argument("--inner-compile", default="eager", choices=INNER_COMPILERS,
-                   help="the DCP model's compiler after the DCP passes: eager (run the FX graph, default), inductor, "
-                        "or torchair (Ascend; needs torch_npu); the dcp_size=1 baseline runs eager")
+    p.add_argument("--inner-compile", default="auto", choices=INNER_COMPILERS,
+                   help="the DCP model's compiler after the DCP passes: eager (run the FX graph), inductor, torchair "
+                        "(Ascend; needs torch_npu), or auto (default: inductor with flashinfer or triton on CUDA, else "
+                        "eager); the dcp_size=1 baseline runs eager")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"),
                    help="ranks on CPU (gloo, default), one CUDA GPU each (NCCL) or one Ascend NPU each (HCCL, needs torch_npu, or DCP_COMPILE_NPU_EMULATOR=1 for the emulated device)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,

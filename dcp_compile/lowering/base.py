@@ -13,6 +13,7 @@ back end through these methods and never names one:
   `page_size(dcp_size, interleave, block_size)` (the pages its kernels read,
   where it sets them), `check_layout(page_size, dcp_size, interleave)`, `model_dims` (the
   latent and rope widths it needs) and `dtypes`;
+- its inner compiler where the config says 'auto': `inner_compile(pool)` (the fastest measured);
 - which dcp_size=1 baseline a comparison runs it against: `baseline` (the demo);
 - its graphs' shapes: `static_shapes(strategy)` (planned per batch shape on the host);
 - its host inputs: `plans_on_host` (each step needs the batch's host metadata) and
@@ -65,6 +66,10 @@ class Lowering:
 
     def prepare(self, pool, config) -> None:
         """Work at apply that no step should pay (building a kernel)."""
+
+    def inner_compile(self, pool) -> str:
+        """The inner compiler for inner_compile='auto' (config.INNER_COMPILERS): 'eager' by default."""
+        return "eager"
 
     def passes(self) -> list:
         """Its lowering passes (passes.base.GraphPass), in order."""
