@@ -67,15 +67,22 @@ def parse_args(argv=None):
     p.add_argument("--standin", action="store_true", help="the emulated NPU and the stand-ins, tiny contexts")
     args = p.parse_args(argv)
     if args.standin:
-        args.contexts, args.batches, args.block_size, args.replays = "40,300", "1,4", 16, 3
+        args.contexts, args.batches, args.block_size, args.replays = "300", "1,4", 16, 2
     args.contexts = [int(v) for v in args.contexts.split(",") if v]
     args.batches = [int(v) for v in args.batches.split(",") if v]
     return args
 
 
-def correctness(rank: int, world: int, device: str) -> list[dict]:
+STANDIN_CORRECTNESS = dict(steps=2, contexts=(1, 3, 40, 17))
+"""--standin: fewer and shorter steps (the script is checked; tests/distributed/test_npu_lowering.py
+checks the numbers on the emulator at length)."""
+
+
+def correctness(rank: int, world: int, device: str, standin: bool = False) -> list[dict]:
     verdicts = []
     for arguments in CORRECTNESS:
+        if standin:
+            arguments = {**arguments, **STANDIN_CORRECTNESS, "batch": len(STANDIN_CORRECTNESS["contexts"])}
         case = scenarios.Scenario(**arguments, device=device)
         result = scenarios.run_on_rank(rank, world, case)
         gathered = [None] * world
@@ -170,7 +177,7 @@ def run(rank: int, world: int, args) -> dict:
                      "torch_npu": None if args.standin else __import__("torch_npu").__version__},
         "shapes": {"heads_total": args.heads, "tp_size": 2, "kv_lora_rank": 512, "rope_dim": 64, "dtype": "torch.bfloat16",
                    "block_size": args.block_size},
-        "correctness": correctness(rank, world, "npu"),
+        "correctness": correctness(rank, world, "npu", args.standin),
         "attention_layer": [row for n in (1, 2) for row in bench_attention_layer(args, n, device, tp)],
     }
     result["seconds"] = time.time() - started

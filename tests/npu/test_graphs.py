@@ -136,5 +136,5 @@ def test_npu_smoke_script_runs_on_the_standins(tmp_path):
     assert [v["mode"] for v in result["correctness"]] == ["decode", "verify"]
     assert all(v["tokens_match"] and v["outputs_match"] for v in result["correctness"])
     assert {(r["dcp_size"], r["context"], r["batch"]) for r in result["attention_layer"]} == {
-        (n, c, b) for n in (1, 2) for c in (40, 300) for b in (1, 4)}
+        (n, 300, b) for n in (1, 2) for b in (1, 4)}
     assert all(r["step_seconds"] > 0 for r in result["attention_layer"])
