@@ -159,8 +159,8 @@ def run(args) -> int:
     for name, sites in result["pass_summary"].items():
         if name != "verify":
             table.add_row(f"pass {name}: sites", str(sites))
-    table.add_row("graphs compiled (torch.compile)", str(result["graphs_captured"]))
-    if result["scenario"]["graphs"]:
+    table.add_row("graphs compiled (torch.compile)", f"{result['graphs_captured']} (inner compiler {result['inner_compile']})")
+    if scenario.graphs:
         table.add_row(f"steps replayed from {result['device']} graphs",
                       f"{result['graph_replays']} ({result['device_graphs_captured']} graphs captured)")
     counts = ", ".join(f"{k} x{v}" for k, v in sorted(result["strategy_counts"].items()))

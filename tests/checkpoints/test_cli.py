@@ -50,7 +50,8 @@ def _fake_compare(seen: list):
                 "tolerance": 1e-5, "contexts": scenario.lengths, "tokens_stored_per_dcp_rank": [1, 1], "tokens_total": 2,
                 "kv_rows_per_rank": 1, "kv_capacity_ratio": 2.0, "kv_rows_lost": 0, "pass_summary": {},
                 "graphs_captured": 0, "strategy_counts": {}, "last_strategy_reason": None, "seconds": 0.0,
-                "generated": generated, "tokens": generated}
+                "generated": generated, "tokens": generated, "device": scenario.device, "emulated": False,
+                "graph_replays": 0, "device_graphs_captured": 0, "inner_compile": "eager"}
     return compare
 
 
