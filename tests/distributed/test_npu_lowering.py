@@ -21,8 +21,9 @@ pytestmark = pytest.mark.usefixtures("npu_emulator")  # tests/conftest.py: the r
 
 NPU = dict(kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16, device="npu")
 CASES = [  # Scenario arguments: a Scenario on device="npu" needs the emulated device, made by the fixture
-    # 20 decode steps: lengths change every step, one graph per batch shape (DCP 4: the verify case below).
+    # 20 decode steps: lengths change every step, one graph per batch shape; DCP 4 over fewer steps.
     dict(dcp_size=2, tp_size=2, batch=5, contexts=(1, 3, 40, 70, 17), steps=20, seed=11),
+    dict(dcp_size=4, tp_size=4, batch=4, contexts=(1, 3, 40, 17), steps=2, seed=12),
     # Verify with scripted accept/reject; k = 1 with 12 heads (FIA runs 16, padded);
     # k = 7 page-interleaved (each page of 16 on one rank); k = 16 at DCP 4.
     dict(mode="verify", draft_len=1, dcp_size=2, tp_size=2, batch=3, contexts=(1, 2, 40), steps=3, seed=13,
