@@ -21,26 +21,24 @@ pytestmark = pytest.mark.usefixtures("npu_emulator")  # tests/conftest.py: the r
 
 NPU = dict(kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16, device="npu")
 CASES = [  # Scenario arguments: a Scenario on device="npu" needs the emulated device, made by the fixture
-    # 8 decode steps: lengths change every step, one graph per batch shape; DCP 4 over fewer steps.
-    dict(dcp_size=2, tp_size=2, batch=5, contexts=(1, 3, 40, 70, 17), steps=8, seed=11),
+    # Decode over mixed lengths with empty shards and a padded row; DCP 4 over 2 steps (DCP 2's
+    # decode is replayed from NPU graphs below).
     dict(dcp_size=4, tp_size=4, batch=4, contexts=(1, 3, 40, 17), steps=2, seed=12),
-    # Verify with scripted accept/reject; k = 1 with 12 heads (FIA runs 16, padded);
-    # k = 7 page-interleaved (each page of 16 on one rank); k = 16 at DCP 4.
+    # Verify with scripted accept/reject; k = 1 with 12 heads (FIA runs 16, padded); k = 16 at DCP 4
+    # (k = 7, page-interleaved, is replayed from NPU graphs below).
     dict(mode="verify", draft_len=1, dcp_size=2, tp_size=2, batch=3, contexts=(1, 2, 40), steps=3, seed=13,
          num_heads=12),
-    dict(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=4, contexts=(1, 5, 40, 20), steps=3, seed=14,
-         interleave=16),
     dict(mode="verify", draft_len=16, dcp_size=4, tp_size=4, batch=3, contexts=(2, 3, 70), steps=2, seed=15),
     # Extend: chunks of 37 (more than FIA's 16 queries) go through gather-kv, then FIA decode.
     dict(mode="extend", chunk=37, dcp_size=2, tp_size=2, batch=3, contexts=(1, 40, 100), steps=2, seed=16),
 ]
 GRAPH_CASES = [
-    # Decode and verify steps replayed from NPU graphs (GraphRunner, NPUGraphs): the lengths and
-    # block tables change between replays (requests cross pages); 3 rows fill a bucket of 4 with
-    # a padded row; prefill runs eagerly.
-    dict(dcp_size=2, tp_size=2, batch=3, contexts=(1, 17, 40), steps=4, seed=17, graphs=True),
-    dict(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=3, contexts=(1, 5, 40), steps=2, seed=18,
-         graphs=True),
+    # Decode and verify steps replayed from NPU graphs (GraphRunner, NPUGraphs): the lengths change
+    # every step and the block tables as requests cross pages; the rows are padded to the runner's
+    # bucket; prefill runs eagerly. Verify k = 7 with pages of 16 interleaved (each page on one rank).
+    dict(dcp_size=2, tp_size=2, batch=5, contexts=(1, 3, 40, 70, 17), steps=8, seed=11, graphs=True),
+    dict(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=4, contexts=(1, 5, 40, 20), steps=3, seed=14,
+         interleave=16, graphs=True),
 ]
 
 

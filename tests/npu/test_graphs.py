@@ -133,8 +133,8 @@ def test_npu_smoke_script_runs_on_the_standins(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     assert {"command", "date", "machine", "versions", "shapes", "attention_layer", "correctness"} <= set(result)
-    assert [v["mode"] for v in result["correctness"]] == ["decode", "verify"]
+    assert [v["mode"] for v in result["correctness"]] == ["decode"]  # --standin: the script's check, decode only
     assert all(v["tokens_match"] and v["outputs_match"] for v in result["correctness"])
     assert {(r["dcp_size"], r["context"], r["batch"]) for r in result["attention_layer"]} == {
-        (n, 300, b) for n in (1, 2) for b in (1, 4)}
+        (n, 300, 4) for n in (1, 2)}
     assert all(r["step_seconds"] > 0 for r in result["attention_layer"])
