@@ -200,6 +200,13 @@ def _match_key(k_nope: fx.Node, k_rope: fx.Node, nope_dim: int) -> tuple[fx.Node
     return key, [key, nope_slot, user, rope_slot, rope_copy]
 
 
+def _check_value(actual, value: fx.Node, attention: fx.Node) -> None:
+    """The attention reads the values as split from kv_b_proj's output; a changed value (a model
+    that adds a term) is named as the node that broke the pattern."""
+    _expect(actual is value, actual if isinstance(actual, fx.Node) else attention,
+            "the values split from kv_b_proj's output (split(kv, [n, v])[1]) read by the attention as they are")
+
+
 def _scale_of_sdpa(node: fx.Node, query_dim: int) -> float:
     scale = _arg(node, 6, "scale")
     _expect(scale is None or isinstance(scale, (int, float)), node, "a literal softmax scale")
@@ -212,7 +219,8 @@ def _match_attention(key: fx.Node, value: fx.Node, allowed: frozenset, memo: dic
     _expect(len(users) == 1, key, "one attention reading the key")
     user = users[0]
     if _is(user, SDPA):
-        _expect(user.args[1] is key and _arg(user, 2, "value") is value, user, "sdpa(query, key, value)")
+        _expect(user.args[1] is key, user, "sdpa(query, key, value)")
+        _check_value(_arg(user, 2, "value"), value, user)
         _expect(_arg(user, 4, "dropout_p", 0.0) == 0.0, user, "dropout_p == 0 (eval)")
         _expect(_arg(user, 5, "is_causal", False) is False, user, "is_causal=False with an explicit mask")
         _expect(not user.kwargs.get("enable_gqa", False), user, "no enable_gqa (MLA has as many key heads as query heads)")
@@ -245,7 +253,8 @@ def _match_attention(key: fx.Node, value: fx.Node, allowed: frozenset, memo: dic
         probs, following = step, list(step.users)
     # transformers' eager attention also returns the probabilities; only the matmul may read them
     out = [u for u in following if _is(u, MATMUL, ("matmul",))]
-    _expect(len(out) == 1 and out[0].args[0] is probs and out[0].args[1] is value, probs, "matmul(probs, value)")
+    _expect(len(out) == 1 and out[0].args[0] is probs, probs, "matmul(probs, value)")
+    _check_value(out[0].args[1], value, out[0])
     _expect(len(following) == 1, probs, "the probabilities read only by matmul(probs, value) (output_attentions off)")
     nodes.append(out[0])
     return out[0], query, float(scaled.args[1]), nodes

@@ -29,7 +29,8 @@ class CacheMisuseError(RuntimeError):
 
 def source_line(node: fx.Node) -> str:
     """The model line that produced `node`, from dynamo's stack trace."""
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    trace = [line for line in (node.meta.get("stack_trace") or "").strip().splitlines()
+             if line.strip() and not set(line.strip()) <= set("^~")]  # Python 3.11+'s column markers
     frames = [line.strip() for line in trace if line.strip().startswith("File ")]
     if not frames:
         return "unknown source line"

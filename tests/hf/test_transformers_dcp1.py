@@ -1,0 +1,124 @@
+"""dcp_compile.apply on unmodified transformers DeepSeek-V3 models at dcp_size 1, in one process:
+generate() against the untouched model's, the graph after the passes, the negative controls and
+the refusals (the multi-rank runs are in test_transformers_dcp2.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention  # noqa: E402
+
+import dcp_compile  # noqa: E402
+from dcp_compile.hf import absorb  # noqa: E402
+from dcp_compile.hf.cache import DCPCache  # noqa: E402
+from dcp_compile.passes.base import PassConfig  # noqa: E402
+from dcp_compile.passes.graph_utils import normalize_meta  # noqa: E402
+from dcp_compile.runtime.kv_pool import MLAKVPool  # noqa: E402
+from tests.hf.models import compare, graph_ops, prompt, v3_model  # noqa: E402
+
+LAYERS = 2
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_generate_matches_transformers(attention):
+    result = compare(v3_model(attn_implementation=attention))
+    assert result["tokens_equal"]
+    assert result["max_logit_diff"] < 1e-5
+    assert result["graphs"] == 2  # prefill and one decode graph for all 15 decode steps
+    assert result["pass_summary"]["absorb_mla"] == LAYERS * result["graphs"]
+    for ops in result["graph_ops"]:
+        assert ops["after"].get("dcp::mla_attention") == LAYERS
+        assert ops["after"].get("dcp::mla_cache_view", 0) == 0
+        assert ops["after"].get("scaled_dot_product_attention", 0) == 0
+        # kv_b_proj over the cache was the only linear removed: W_UK and W_UV are its weight's slices
+        assert ops["before"]["linear"] - ops["after"]["linear"] == LAYERS
+    assert result["tokens_stored"] == result["tokens_total"]
+
+
+def test_negative_control_perturbed_scale(monkeypatch):
+    """A softmax scale off by 10% must fail the comparison that test_generate_matches_transformers passes."""
+    matched = absorb.match_site
+
+    def off_by_ten_percent(*args, **kwargs):
+        site = matched(*args, **kwargs)
+        site.sm_scale *= 1.1
+        return site
+
+    monkeypatch.setattr(absorb, "match_site", off_by_ten_percent)
+    result = compare(v3_model())
+    assert result["pass_summary"]["absorb_mla"] == LAYERS * result["graphs"]
+    assert not result["tokens_equal"]
+    assert result["max_logit_diff"] > 1e-2
+
+
+class BiasedValueAttention(DeepseekV3Attention):
+    """A changed pattern: the values get a term absorbed MLA does not have."""
+
+    def expand_kv(self, kv_nope, k_rot):
+        key_states, value_states = super().expand_kv(kv_nope, k_rot)
+        return key_states, value_states + 0.01
+
+
+def _biased_model():
+    model = v3_model()
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = BiasedValueAttention
+    return model
+
+
+def _absorb_graph(model, dcp_size: int):
+    """Capture one decode-shaped step of `model` over a DCPCache and run the absorb pass on it."""
+    config = model.config
+    pool = MLAKVPool(config.num_hidden_layers, 64, config.kv_lora_rank, config.qk_rope_head_dim)
+    seen = {}
+
+    def backend(gm, example_inputs):
+        normalize_meta(gm.graph)
+        seen["sites"] = absorb.AbsorbMLA().run(gm, PassConfig(dcp_size=dcp_size))
+        return gm.forward
+
+    forward = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        forward(input_ids=prompt(), cache=DCPCache(pool, 2, 8))
+    return seen["sites"]
+
+
+def test_changed_pattern_is_a_clear_error_under_dcp():
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as error:
+        _absorb_graph(_biased_model(), dcp_size=2)
+    assert isinstance(error.value.inner_exception, absorb.AbsorbError)
+    message = str(error.value.inner_exception)
+    assert "2 of 2 attention layers" in message
+    assert "model.layers.0.self_attn (BiasedValueAttention)" in message
+    assert "add" in message  # the node that broke the pattern
+    assert "test_transformers_dcp1.py" in message and "value_states + 0.01" in message  # its source line
+
+
+def test_changed_pattern_runs_unchanged_at_dcp_size_one():
+    assert _absorb_graph(v3_model(), dcp_size=2) == LAYERS
+    result = compare(_biased_model())
+    assert result["pass_summary"]["absorb_mla"] == 0
+    assert result["tokens_equal"]
+    assert result["max_logit_diff"] < 1e-5
+
+
+def test_refused_before_any_step():
+    model = dcp_compile.apply(v3_model(), dcp_size=1)
+    input_ids = prompt()
+    padded = torch.ones_like(input_ids)
+    padded[0, 0] = 0
+    with pytest.raises(ValueError, match="unpadded rows"):
+        model.generate(input_ids, attention_mask=padded, max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="cache's positions"):
+        model(input_ids, position_ids=torch.arange(1, 6)[None])
+    with pytest.raises(ValueError, match="own KV pool"):
+        model(input_ids, cache=DynamicCache(config=model.config))
+    with pytest.raises(ValueError, match="max_length"):
+        model(input_ids, cache=model.new_cache(2, 4))
+    assert dcp_compile.state(model).reports == []  # nothing was compiled
