@@ -73,6 +73,25 @@ def graph_ops(report) -> dict:
     return {"before": dict(report.records[0].ops_before), "after": dict(report.records[-1].ops_after)}
 
 
-def rank_compare(rank: int, world_size: int, overrides: dict) -> dict:
-    """One rank of a DCP run over every rank: compare() of the same seeded model."""
-    return compare(v3_model(**overrides), dcp_size=world_size)
+def rank_compare(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """One rank of DCP runs over every rank: compare() of the same seeded model for each case,
+    {"overrides": config fields, "apply": apply() arguments, "scale_factor": a factor the absorb
+    pass's softmax scale is multiplied by (a negative control; 1 is the real run)}."""
+    from dcp_compile.hf import absorb
+
+    results = []
+    matched = absorb.match_site
+    for case in cases:
+        factor = case.get("scale_factor", 1.0)
+
+        def scaled(*args, **kwargs):
+            site = matched(*args, **kwargs)
+            site.sm_scale *= factor
+            return site
+
+        absorb.match_site = scaled
+        try:
+            results.append(compare(v3_model(**case.get("overrides", {})), dcp_size=world_size, **case.get("apply", {})))
+        finally:
+            absorb.match_site = matched
+    return results
