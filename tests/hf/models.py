@@ -18,24 +18,38 @@ PROMPT = (2, 5)
 NEW_TOKENS = 16
 
 
-def v3_config(**overrides):
-    from transformers import DeepseekV3Config
-
-    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
-                  num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
-                  q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=10,
-                  max_position_embeddings=64, initializer_range=0.2, attn_implementation="sdpa",
-                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    fields.update(overrides)
-    return DeepseekV3Config(**fields)
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+            first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=12,
+            qk_nope_head_dim=10, max_position_embeddings=64, initializer_range=0.2, attn_implementation="sdpa",
+            eos_token_id=None, bos_token_id=None, pad_token_id=None)
+"""Two layers (one dense MLP, one MoE), 4 heads, R = 16, P = 8, n = 10, v = 12."""
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+"""YaRN with both mscales: the softmax scale carries mscale_all_dim, the rope its attention factor."""
 
 
-def v3_model(seed: int = 0, **overrides):
-    from transformers import DeepseekV3ForCausalLM
+def config(family: str = "v3", **overrides):
+    """A tiny transformers config of `family` ('v3': DeepseekV3Config, 'v2': DeepseekV2Config)."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    fields = dict(TINY, **overrides)
+    if family == "v3":
+        fields.setdefault("n_group", 1)
+        fields.setdefault("topk_group", 1)
+        return DeepseekV3Config(**fields)
+    if family == "v2":
+        return DeepseekV2Config(**fields)
+    raise ValueError(f"unknown family {family!r}")
+
+
+def tiny_model(seed: int = 0, family: str = "v3", **overrides):
+    """A tiny transformers model of `family`, seeded: every rank builds the same weights."""
+    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    return DeepseekV3ForCausalLM(v3_config(**overrides)).eval()
+    model_class = DeepseekV3ForCausalLM if family == "v3" else DeepseekV2ForCausalLM
+    return model_class(config(family, **overrides)).eval()
 
 
 def prompt(seed: int = 1, vocab: int = 64) -> torch.Tensor:
@@ -91,7 +105,7 @@ def rank_compare(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
 
         absorb.match_site = scaled
         try:
-            results.append(compare(v3_model(**case.get("overrides", {})), dcp_size=world_size, **case.get("apply", {})))
+            results.append(compare(tiny_model(**case.get("overrides", {})), dcp_size=world_size, **case.get("apply", {})))
         finally:
             absorb.match_site = matched
     return results

@@ -1,4 +1,4 @@
-"""dcp_compile.apply on unmodified transformers DeepSeek-V3 models at dcp_size 1, in one process:
+"""dcp_compile.apply on unmodified transformers DeepSeek-V3 / V2 models at dcp_size 1, in one process:
 generate() against the untouched model's, the graph after the passes, the negative controls and
 the refusals (the multi-rank runs are in test_transformers_dcp2.py)."""
 
@@ -20,14 +20,21 @@ from dcp_compile.hf.cache import DCPCache  # noqa: E402
 from dcp_compile.passes.base import PassConfig  # noqa: E402
 from dcp_compile.passes.graph_utils import normalize_meta  # noqa: E402
 from dcp_compile.runtime.kv_pool import MLAKVPool  # noqa: E402
-from tests.hf.models import compare, graph_ops, prompt, v3_model  # noqa: E402
+from tests.hf.models import YARN, compare, prompt, tiny_model  # noqa: E402
 
 LAYERS = 2
+CASES = {
+    "v3-sdpa": {},
+    "v3-eager": {"attn_implementation": "eager"},
+    "v3-qlora-rotate-half-yarn": {"q_lora_rank": 12, "rope_interleave": False, "rope_parameters": YARN},
+    "v2-eager-yarn": {"family": "v2", "attn_implementation": "eager", "rope_parameters": YARN},
+    "v2-sdpa-qlora": {"family": "v2", "q_lora_rank": 12},
+}
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_generate_matches_transformers(attention):
-    result = compare(v3_model(attn_implementation=attention))
+@pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
+def test_generate_matches_transformers(overrides):
+    result = compare(tiny_model(**overrides))
     assert result["tokens_equal"]
     assert result["max_logit_diff"] < 1e-5
     assert result["graphs"] == 2  # prefill and one decode graph for all 15 decode steps
@@ -51,7 +58,7 @@ def test_negative_control_perturbed_scale(monkeypatch):
         return site
 
     monkeypatch.setattr(absorb, "match_site", off_by_ten_percent)
-    result = compare(v3_model())
+    result = compare(tiny_model())
     assert result["pass_summary"]["absorb_mla"] == LAYERS * result["graphs"]
     assert not result["tokens_equal"]
     assert result["max_logit_diff"] > 1e-2
@@ -66,7 +73,7 @@ class BiasedValueAttention(DeepseekV3Attention):
 
 
 def _biased_model():
-    model = v3_model()
+    model = tiny_model()
     for layer in model.model.layers:
         layer.self_attn.__class__ = BiasedValueAttention
     return model
@@ -101,7 +108,7 @@ def test_changed_pattern_is_a_clear_error_under_dcp():
 
 
 def test_changed_pattern_runs_unchanged_at_dcp_size_one():
-    assert _absorb_graph(v3_model(), dcp_size=2) == LAYERS
+    assert _absorb_graph(tiny_model(), dcp_size=2) == LAYERS
     result = compare(_biased_model())
     assert result["pass_summary"]["absorb_mla"] == 0
     assert result["tokens_equal"]
@@ -109,7 +116,7 @@ def test_changed_pattern_runs_unchanged_at_dcp_size_one():
 
 
 def test_refused_before_any_step():
-    model = dcp_compile.apply(v3_model(), dcp_size=1)
+    model = dcp_compile.apply(tiny_model(), dcp_size=1)
     input_ids = prompt()
     padded = torch.ones_like(input_ids)
     padded[0, 0] = 0
