@@ -79,21 +79,54 @@ def _biased_model():
     return model
 
 
-def _absorb_graph(model, dcp_size: int):
-    """Capture one decode-shaped step of `model` over a DCPCache and run the absorb pass on it."""
+def _capture(model, dcp_size: int | None = None, cache=None):
+    """One step of `model` over `cache` (a DCPCache by default), captured; with dcp_size, the
+    absorb pass run on it. Returns (graph module, sites the pass rewrote or None)."""
     config = model.config
     pool = MLAKVPool(config.num_hidden_layers, 64, config.kv_lora_rank, config.qk_rope_head_dim)
     seen = {}
 
     def backend(gm, example_inputs):
         normalize_meta(gm.graph)
-        seen["sites"] = absorb.AbsorbMLA().run(gm, PassConfig(dcp_size=dcp_size))
+        seen["gm"] = gm
+        if dcp_size is not None:
+            seen["sites"] = absorb.AbsorbMLA().run(gm, PassConfig(dcp_size=dcp_size))
         return gm.forward
 
     forward = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True, dynamic=False)
     with torch.no_grad():
-        forward(input_ids=prompt(), cache=DCPCache(pool, 2, 8))
-    return seen["sites"]
+        forward(input_ids=prompt(), cache=cache if cache is not None else DCPCache(pool, 2, 8))
+    return seen["gm"], seen.get("sites")
+
+
+def _absorb_graph(model, dcp_size: int):
+    return _capture(model, dcp_size)[1]
+
+
+@pytest.mark.parametrize("overrides", [CASES["v3-sdpa"], CASES["v2-eager-yarn"]], ids=["v3-sdpa", "v2-eager-yarn"])
+def test_finder_reads_shapes_and_scale(overrides):
+    model = tiny_model(**overrides)
+    gm, _ = _capture(model)
+    sites, failures = absorb.find_sites(gm.graph)
+    assert failures == []
+    assert [site.layer.split(" ")[0] for site in sites] == [f"L['self'].model.layers.{i}.self_attn" for i in range(LAYERS)]
+    config, attention = model.config, model.model.layers[0].self_attn
+    for site in sites:
+        assert (site.heads, site.nope_dim, site.value_dim, site.rank_dim, site.rope_dim) == (
+            config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank,
+            config.qk_rope_head_dim)
+        assert site.sm_scale == attention.scaling  # the graph's literal, YaRN's mscale included
+    if "rope_parameters" in overrides:
+        assert attention.scaling > (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5 * 1.2
+
+
+def test_finder_matches_only_reads_of_the_pool():
+    """The same attention over transformers' own cache is no site (and no failure): only a read of
+    the KV pool is, so nothing else in a graph is ever rewritten."""
+    model = tiny_model()
+    gm, _ = _capture(model, cache=DynamicCache(config=model.config))
+    assert "scaled_dot_product_attention" in gm.code
+    assert absorb.find_sites(gm.graph) == ([], [])
 
 
 def test_changed_pattern_is_a_clear_error_under_dcp():
