@@ -78,6 +78,9 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
     max_position_embeddings); kv_keep='memory' keeps that many rows per rank and grows the
     logical capacity dcp_size-fold, 'capacity' keeps the capacity and shrinks the rows."""
     _check_model(model, config)
+    if "forward" in vars(model):
+        raise ValueError(f"this {type(model).__name__} was already passed to dcp_compile.apply (its forward is a DCP "
+                         "step): apply an unmodified model once")
     if config.dcp_size > 1 and not dist.is_initialized():
         raise RuntimeError(f"dcp_size {config.dcp_size} needs torch.distributed initialised with >= {config.dcp_size} "
                            "ranks (init_process_group on every rank, or dcp_compile.runtime.launch)")
@@ -137,6 +140,8 @@ class DCPTransformersModel(nn.Module):
         """transformers' generate(), with a DCP cache sized for this call (prompt + max_new_tokens,
         else max_length) unless one is passed."""
         cache = kwargs.pop(self.cache_kwarg, None)
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)  # the deprecated name
         if cache is None:
             input_ids = args[0] if args else kwargs.get("input_ids")
             if input_ids is None:

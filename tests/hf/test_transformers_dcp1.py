@@ -149,7 +149,10 @@ def test_changed_pattern_runs_unchanged_at_dcp_size_one():
 
 
 def test_refused_before_any_step():
-    model = dcp_compile.apply(tiny_model(), dcp_size=1)
+    original = tiny_model()
+    model = dcp_compile.apply(original, dcp_size=1)
+    with pytest.raises(ValueError, match="already passed to dcp_compile.apply"):
+        dcp_compile.apply(original)
     input_ids = prompt()
     padded = torch.ones_like(input_ids)
     padded[0, 0] = 0
