@@ -1,6 +1,6 @@
 """dcp_compile.apply on unmodified transformers DeepSeek-V3 / V2 models at dcp_size 1, in one process:
 generate() against the untouched model's, the graph after the passes, the negative controls and
-the refusals (the multi-rank runs are in test_transformers_dcp2.py)."""
+the refusals (the multi-rank runs are in test_transformers_distributed.py)."""
 
 from __future__ import annotations
 

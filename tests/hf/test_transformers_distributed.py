@@ -1,6 +1,7 @@
 """dcp_compile.apply(DeepseekV3ForCausalLM or DeepseekV2ForCausalLM, dcp_size=2) on 2 gloo ranks: generate() returns
 the untouched model's greedy tokens, each rank stores half of the KV, and the negative controls
-(a perturbed softmax scale, the sharded KV write disabled) fail the same comparison."""
+(a perturbed softmax scale, the sharded KV write disabled) fail the same comparison; and V3 at
+dcp_size=4 on 4 ranks."""
 
 from __future__ import annotations
 
@@ -62,3 +63,14 @@ def test_negative_control_unsharded_kv_write(runs):
     for result in runs["unsharded-write"]:
         assert result["pass_summary"]["shard_kv_write"] == 0
         assert not result["tokens_equal"]
+
+
+def test_dcp4_matches_transformers():
+    per_rank = [results[0] for results in spawn(rank_compare, 4, [MATCHING["v3-sdpa"]])]
+    for result in per_rank:
+        assert result["tokens_equal"]
+        assert result["max_logit_diff"] < 1e-5
+        assert result["capacity_ratio"] >= 3.9
+        assert result["pass_summary"]["replicated_q_attention"] == LAYERS * result["graphs"]
+    stored = [result["tokens_stored"] for result in per_rank]
+    assert sum(stored) == per_rank[0]["tokens_total"] and max(stored) - min(stored) <= 2
