@@ -244,7 +244,7 @@ def _match_attention(key: fx.Node, value: fx.Node, allowed: frozenset, memo: dic
     _expect(softmax.kwargs.get("dtype", _arg(softmax, 3, "dtype")) in (None, torch.float32), softmax,
             "softmax in fp32")
     nodes, probs = [transposed, scores, scaled, masked, softmax], softmax
-    following = [u for u in probs.users]
+    following = list(probs.users)
     while len(following) == 1 and (_is(following[0], methods=("to", "type_as")) or _is(following[0], DROPOUT)):
         step = following[0]
         if _is(step, DROPOUT):
