@@ -240,19 +240,32 @@ def _check_model(model: nn.Module) -> tuple[MLAKVPool, parallel.ParallelState]:
 
 
 def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = None, kv_keep: str = "memory",
-          **config_fields) -> DCPModel:
+          kv_capacity: int | None = None, **config_fields) -> nn.Module:
     """Shard `model`'s latent KV cache over `dcp_size` ranks of its TP group and compile it.
 
     Collective: call on every rank. Call before any KV is written (the pool is reallocated).
     kv_keep='memory' keeps the rows per rank and grows the logical capacity N-fold;
     kv_keep='capacity' keeps the logical capacity and shrinks the rows. With dcp_size=1 the
     result is the plain compiled model, the baseline every DCP run is compared with.
+
+    An unmodified transformers model of a known MLA family (DeepSeek-V3 / V2) gets a KV pool of
+    `kv_capacity` locations (default 1 + max_position_embeddings) and returns a
+    dcp_compile.hf.model.DCPTransformersModel, whose generate() and forward() are transformers'
+    own (dcp_compile/hf). kv_capacity is for those models only.
     """
-    if isinstance(model, DCPModel):
+    if isinstance(model, DCPModel) or getattr(model, "dcp_state", None) is not None:
         raise ValueError("this model was already applied (it is what dcp_compile.apply returned): apply the original "
                          "model once")
     config = config.replace(dcp_size=dcp_size, **config_fields) if config else DCPConfig(dcp_size=dcp_size, **config_fields)
     check_pass_names(config.disabled_passes)
+    from dcp_compile.hf import is_transformers_model
+
+    if is_transformers_model(model):
+        from dcp_compile.hf.model import apply_transformers
+
+        return apply_transformers(model, config, kv_capacity, kv_keep)
+    if kv_capacity is not None:
+        raise ValueError("kv_capacity sizes the KV pool of a transformers model; this model owns its kv_pool")
     pool, current = _check_model(model)
     if config.dcp_size > 1 and not dist.is_initialized():
         raise RuntimeError(f"dcp_size {config.dcp_size} needs torch.distributed initialised with >= {config.dcp_size} ranks "
@@ -278,6 +291,7 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
 
 def state(compiled: nn.Module) -> DCPState:
     """The DCPState of a module returned by apply()."""
-    if not isinstance(compiled, DCPModel):
+    found = getattr(compiled, "dcp_state", None)
+    if not isinstance(found, DCPState):
         raise ValueError("this module was not produced by dcp_compile.apply")
-    return compiled.dcp_state
+    return found

@@ -14,7 +14,7 @@ from dcp_compile.debug.dump import TextDump, writable_folder
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.passes import PassConfig, PassManager, PassReport, default_passes
 from dcp_compile.passes.cache_use import bind_pool, check_cache_use
-from dcp_compile.passes.sites import count_mla_sites
+from dcp_compile.passes.sites import count_cache_views, count_mla_sites
 from dcp_compile.runtime.host_inputs import HostSlot
 from dcp_compile.runtime.parallel import ParallelState
 
@@ -58,8 +58,11 @@ class DCPBackend:
     `host_slot` on every call, whatever the inner compiler."""
 
     def __init__(self, config: DCPConfig, parallel: ParallelState, lowering: Lowering, strategy: str = "gather-q",
-                 page_size: int = 1, host_slot: HostSlot | None = None, pool=None):
+                 page_size: int = 1, host_slot: HostSlot | None = None, pool=None, front_end_passes=()):
+        """front_end_passes: passes that rewrite a known model family's attention into the
+        canonical ops (dcp_compile/hf), run first."""
         self.config, self.strategy, self.parallel, self.pool, self.lowering = config, strategy, parallel, pool, lowering
+        self.front_end = tuple(front_end_passes)
         self.host_slot = host_slot or HostSlot(parallel.dcp_rank)
         dump_dir = config.dump_dir or os.environ.get("DCP_COMPILE_DUMP") or None
         if dump_dir and config.dcp_size > 1:
@@ -69,13 +72,14 @@ class DCPBackend:
             writable_folder(dump_dir)  # at apply(), not at the first forward
             observers.append(TextDump(Path(dump_dir)))
         self.manager = PassManager(pass_config(config, parallel, strategy, page_size), config.disabled_passes,
-                                   passes=default_passes(lowering.passes()), observers=observers)
+                                   passes=default_passes(lowering.passes(), self.front_end), observers=observers)
         self.reports: list[PassReport] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         if self.pool is not None:
-            check_cache_use(gm.graph, example_inputs, [self.pool.cache(i) for i in range(self.pool.num_layers)])
-        if self.config.dcp_size > 1 and count_mla_sites(gm.graph) == 0:
+            check_cache_use(gm.graph, example_inputs, [self.pool.cache(i) for i in range(self.pool.num_layers)],
+                            front_end=bool(self.front_end))
+        if self.config.dcp_size > 1 and count_mla_sites(gm.graph) + count_cache_views(gm.graph) == 0:
             raise ValueError(
                 "the captured graph has no MLA site (dcp::mla_attention): DCP has nothing to shard. "
                 "Write attention with dcp_compile.ops.mla_kv_write / mla_attention."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_compile.ops import canonical, internal  # noqa: F401 - registers the ops
+from dcp_compile.ops import cache_view, canonical, internal  # noqa: F401 - registers the ops
 from dcp_compile.ops.internal import WINDOW_QUERIES
 
 __all__ = ["WINDOW_QUERIES"]
@@ -26,3 +26,4 @@ GATHERED_KV_METADATA = dcp.gathered_kv_metadata.default
 WINDOW_ATTENTION = dcp.window_attention.default
 SPLIT_PARTIALS = dcp.split_partials.default
 PREFIX_KEY_COUNTS = dcp.prefix_key_counts.default
+CACHE_VIEW = dcp.mla_cache_view.default

@@ -18,6 +18,9 @@ from dcp_compile.passes.graph_utils import op_name
 from dcp_compile.ops import targets
 
 CANONICAL = (targets.KV_WRITE, targets.ATTENTION)
+FRONT_END_READS = (targets.CACHE_VIEW,)
+"""A front end's read of the pool in a model's own layout (dcp_compile/hf), allowed where a front
+end's pass runs first: it replaces every such read under DCP, and raises where it cannot."""
 
 
 class CacheMisuseError(RuntimeError):
@@ -26,7 +29,8 @@ class CacheMisuseError(RuntimeError):
 
 def source_line(node: fx.Node) -> str:
     """The model line that produced `node`, from dynamo's stack trace."""
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    trace = [line for line in (node.meta.get("stack_trace") or "").strip().splitlines()
+             if line.strip() and not set(line.strip()) <= set("^~")]  # Python 3.11+'s column markers
     frames = [line.strip() for line in trace if line.strip().startswith("File ")]
     if not frames:
         return "unknown source line"
@@ -64,18 +68,20 @@ def bind_pool(gm: fx.GraphModule, example_inputs, pool) -> None:
     gm.meta[POOL_INPUTS] = (pool, {node.name: layer for node, layer in pool_inputs(gm.graph, example_inputs, caches).items()})
 
 
-def check_cache_use(graph: fx.Graph, example_inputs, caches: list[torch.Tensor]) -> None:
+def check_cache_use(graph: fx.Graph, example_inputs, caches: list[torch.Tensor], front_end: bool = False) -> None:
+    """front_end: a front end's passes run first (FRONT_END_READS are then allowed)."""
     pool_nodes = set(pool_inputs(graph, example_inputs, caches))
+    readers = CANONICAL + FRONT_END_READS if front_end else CANONICAL
     for node in pool_nodes:
         for user in node.users:
-            if user.op != "call_function" or user.target not in CANONICAL:
+            if user.op != "call_function" or user.target not in readers:
                 raise CacheMisuseError(
                     f"the KV pool's cache is used by {op_name(user)} at {source_line(user)}: only "
                     "dcp_compile.ops.mla_kv_write and mla_attention may read or write it (the README's model "
                     "contract), since DCP shards it by tokens"
                 )
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in CANONICAL and node.args[0 if node.target is targets.KV_WRITE else 2] not in pool_nodes:
+        if node.op == "call_function" and node.target in readers and node.args[2 if node.target is targets.ATTENTION else 0] not in pool_nodes:
             raise CacheMisuseError(
                 f"{op_name(node)} at {source_line(node)} is given a cache that is not one of the KV pool's current "
                 "buffers (a tensor kept from before apply() resharded the pool?): read it with self.kv_pool.cache(i) "

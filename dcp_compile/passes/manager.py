@@ -23,15 +23,18 @@ from dcp_compile.passes.cleanup import Cleanup
 from dcp_compile.passes.graph_utils import mutated_inputs, normalize_meta, op_counts
 from dcp_compile.passes.local_metadata import LocalMetadata
 from dcp_compile.passes.gather_q_attention import GatherQAttention
+from dcp_compile.passes.replicated_q_attention import ReplicatedQAttention
 from dcp_compile.passes.shard_kv_write import ShardKVWrite
 from dcp_compile.passes.verify import CAPTURED_MUTATIONS, Verify
 
 log = logging.getLogger("dcp_compile.passes")
 
 
-def default_passes(lowering_passes=()) -> list[GraphPass]:
-    return [CheckLocations(), CheckMetadata(), GuardBatch(), ShardKVWrite(), LocalMetadata(), GatherQAttention(),
-            GatherKVAttention(), *lowering_passes, Cleanup(), Verify()]
+def default_passes(lowering_passes=(), front_end_passes=()) -> list[GraphPass]:
+    """The pipeline: a front end's passes (which turn a known model family's attention into the
+    canonical ops, dcp_compile/hf), the DCP passes, a back end's lowering passes, cleanup, verify."""
+    return [*front_end_passes, CheckLocations(), CheckMetadata(), GuardBatch(), ShardKVWrite(), LocalMetadata(), GatherQAttention(),
+            ReplicatedQAttention(), GatherKVAttention(), *lowering_passes, Cleanup(), Verify()]
 
 
 PASS_NAMES = tuple(p.name for p in default_passes())

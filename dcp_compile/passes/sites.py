@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from dcp_compile.ops.targets import ATTENTION, KV_WRITE, LOCAL_METADATA, PARTIAL_ATTENTION, SHARDED_KV_WRITE
+from dcp_compile.ops.targets import ATTENTION, CACHE_VIEW, KV_WRITE, LOCAL_METADATA, PARTIAL_ATTENTION, SHARDED_KV_WRITE
 
 
 @dataclass
@@ -54,6 +54,11 @@ def find_local_metadata(graph: fx.Graph) -> dict[tuple[fx.Node, fx.Node], fx.Nod
 
 def count_mla_sites(graph: fx.Graph) -> int:
     return len(_calls(graph, ATTENTION, PARTIAL_ATTENTION))
+
+
+def count_cache_views(graph: fx.Graph) -> int:
+    """A front end's reads of the pool (dcp::mla_cache_view), each an MLA site its passes rewrite."""
+    return len(_calls(graph, CACHE_VIEW))
 
 
 @dataclass

@@ -93,3 +93,22 @@ def build(tp_size: int, dcp_size: int = 1, timeout: datetime.timedelta | None = 
     tp_rank = rank % tp_size
     return ParallelState(tp_size, tp_rank, dcp_size, tp_rank % dcp_size, tp_name, dcp_name)
 
+
+
+def build_replicated(dcp_size: int, timeout: datetime.timedelta | None = None) -> ParallelState:
+    """Groups for a model whose attention is replicated (tp_size 1: every rank has every head):
+    DCP groups are consecutive blocks of `dcp_size` world ranks, dcp_rank = rank % dcp_size.
+    Collective: call on every rank."""
+    if not dist.is_initialized():
+        validate_sizes(dcp_size, dcp_size, 1)
+        return ParallelState()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if dcp_size < 1 or world % dcp_size:
+        raise ValueError(f"dcp_size {dcp_size} must be >= 1 and divide the world size {world} (replicated heads: the DCP "
+                         "groups are blocks of the world)")
+    dcp_name = None
+    for dcp_ranks in _blocks(list(range(world)), dcp_size):
+        group = _group(dcp_ranks, timeout) if dcp_size > 1 else None
+        if rank in dcp_ranks and group is not None:
+            dcp_name = group.group_name
+    return ParallelState(1, 0, dcp_size, rank % dcp_size, None, dcp_name)

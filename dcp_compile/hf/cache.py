@@ -1,0 +1,130 @@
+"""A transformers `Cache` whose layers live in dcp_compile's KV pool.
+
+transformers' MLA attention (DeepSeek-V2/V3 since 5.17) calls, per layer,
+
+    keys, values = cache.update(latent [B, 1, T, R], k_pe [B, 1, T, P], layer_idx)
+
+and expands `keys`/`values` into per-head K and V itself. `DCPCacheLayer.update` writes the step's
+tokens with the canonical `dcp::mla_kv_write` into the pool (so the DCP passes shard the write)
+and returns `dcp::mla_cache_view`, a read of the pool in the layout transformers expects. No
+per-request cache tensor of transformers' own is ever allocated.
+
+Layout. Request b of a cache of `max_length` positions owns the pool locations
+`1 + b * max_length + p`, p = 0 .. max_length - 1 (location 0 stays reserved for padding). A
+cache serves one batch of equal-length rows from position 0: the length counter is one 0-d
+tensor per layer, as in transformers' StaticLayer (a graph input updated in place, so one graph
+serves every decode step). `get_mask_sizes` reports `max_length` keys, so transformers' mask is
+[B, 1, T, max_length] and the view's rows past the length are never attended.
+
+What the caller (dcp_compile/hf/model.py) checks before each step, on the host: the step fits in
+`max_length`, the attention mask pads nothing and the position ids are the cache's positions.
+Beam search, cropping and batch reordering are refused: the pool's rows do not move.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from dcp_compile import ops
+from dcp_compile.ops.cache_view import mla_cache_view
+from dcp_compile.runtime.kv_pool import MLAKVPool
+
+
+def _refuse(what: str):
+    raise NotImplementedError(f"a dcp_compile cache does not support {what}: its tokens live in the sharded KV pool, "
+                              "at locations fixed per request row")
+
+
+class DCPCacheLayer(CacheLayerMixin):
+    """One attention layer's view of the pool: layer `layer` of `pool`, rows of `req_to_token`."""
+
+    is_compileable = False
+    """False: transformers would otherwise build the 4D mask on the host and, on a GPU, wrap the
+    forward in its own torch.compile around dcp_compile's."""
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, pool: MLAKVPool, layer: int, req_to_token: torch.Tensor):
+        super().__init__()
+        self.pool, self.layer, self.req_to_token = pool, layer, req_to_token
+        self.batch_size, self.max_length = req_to_token.shape
+        self.device = req_to_token.device
+        self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate: the pool holds the rows."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the step's latent [B, 1, T, R] and rope [B, 1, T, P] at the next T positions of
+        every row; return the pool's rows of this batch, (latent [B, 1, L, R], rope [B, 1, L, P]).
+
+        Only inside dcp_compile's compiled step: there transformers always builds the causal
+        mask (the length is a traced tensor); run eagerly, it skips the mask of a one-token
+        step and would attend over the read's unwritten rows."""
+        if not torch.compiler.is_compiling():
+            raise RuntimeError("a DCPCache is updated only inside the step dcp_compile.apply compiled: call the model "
+                               "apply() returned")
+        batch, _, tokens, rank_dim = key_states.shape
+        rope_dim = value_states.shape[-1]
+        # Everything derived from the length is computed before the in-place add below.
+        positions = self.cumulative_length + torch.arange(tokens, device=self.device)
+        seq_lens = (self.cumulative_length + tokens).expand(batch)
+        q_seq_ids = torch.arange(batch, device=self.device).repeat_interleave(tokens)
+        q_positions = positions.repeat(batch)
+        loc = self.req_to_token.index_select(1, positions).reshape(-1)
+        cache = self.pool.cache(self.layer)
+        ops.mla_kv_write(cache, key_states.reshape(batch * tokens, rank_dim),
+                         value_states.reshape(batch * tokens, rope_dim), loc)
+        self.cumulative_length.add_(tokens)
+        return mla_cache_view(cache, self.req_to_token, seq_lens, q_seq_ids, q_positions, rank_dim)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_length, 0
+
+    def get_seq_length(self) -> torch.Tensor:
+        """The positions written, a 0-d tensor (as StaticLayer's): reading it in a graph is no break."""
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.max_length
+
+    def reset(self) -> None:
+        self.cumulative_length.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        _refuse("crop (assisted decoding)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        _refuse("reorder_cache (beam search)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        _refuse("batch_repeat_interleave (num_return_sequences > 1, beam search)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        _refuse("batch_select_indices")
+
+
+class DCPCache(Cache):
+    """A cache for `batch_size` rows of up to `max_length` positions each, over every layer of
+    `pool` (transformers' layer i is the pool's layer i)."""
+
+    def __init__(self, pool: MLAKVPool, batch_size: int, max_length: int):
+        if batch_size < 1 or max_length < 1:
+            raise ValueError(f"a DCP cache needs batch_size >= 1 and max_length >= 1, got {batch_size} and {max_length}")
+        needed = 1 + batch_size * max_length
+        if needed > pool.capacity:
+            raise ValueError(
+                f"{batch_size} rows of {max_length} positions need {needed} KV locations (location 0 is reserved); the "
+                f"pool holds {pool.capacity} over its {pool.dcp_size} rank(s): pass a larger kv_capacity to "
+                "dcp_compile.apply, or a smaller batch / max_length"
+            )
+        req_to_token = 1 + torch.arange(batch_size * max_length, dtype=torch.int64, device=pool.device)
+        req_to_token = req_to_token.view(batch_size, max_length)
+        super().__init__(layers=[DCPCacheLayer(pool, i, req_to_token) for i in range(pool.num_layers)])
+        self.pool, self.max_length = pool, max_length
+
+    def length(self) -> int:
+        """Positions written so far (every layer alike), read on the host."""
+        return int(self.layers[0].cumulative_length)

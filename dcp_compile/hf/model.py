@@ -1,0 +1,211 @@
+"""dcp_compile.apply for an unmodified transformers MLA model (DeepSeek-V3 / V2 and what loads as them).
+
+    model = dcp_compile.apply(DeepseekV3ForCausalLM(config), dcp_size=2)   # on every rank
+    tokens = model.generate(input_ids, max_new_tokens=16, do_sample=False)
+
+What apply does here:
+- a KV pool of `kv_capacity` rows per rank for every decoder layer (latent R + rope P per row),
+  resharded by tokens over the DCP group: the model's own per-layer cache is never allocated;
+- the model's `forward` (an instance attribute, the class is untouched) becomes the DCP step:
+  host-side checks of the call, then the model's own forward compiled (fullgraph) with the DCP
+  backend, whose first pass is the absorb pass (dcp_compile/hf/absorb.py), then the DCP passes;
+- attention stays replicated (transformers' DeepSeek-V3 TP plan does not split it): every rank
+  of the DCP group runs the same tokens with every head, attends over its own shard, and one
+  all-gather of (out, LSE) per layer with the LSE merge gives every rank the whole attention
+  (passes/replicated_q_attention.py).
+
+What the step refuses, before any graph runs: a transformers cache (it would hold the whole KV
+on every rank), an attention mask that pads anything, position ids other than the cache's
+positions, a step past the cache's `max_length`. The model passed to apply is the one that
+runs: its forward now is the DCP step.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dcp_compile.api import DCPState, _raise_recompile_limit, _Variant
+from dcp_compile.backend import DCPBackend
+from dcp_compile.config import DCPConfig
+from dcp_compile.hf.absorb import AbsorbError, AbsorbMLA
+from dcp_compile.hf.cache import DCPCache
+from dcp_compile.lowering import registry
+from dcp_compile.passes.cache_use import CacheMisuseError
+from dcp_compile.passes.graph_utils import RewriteError
+from dcp_compile.passes.replicated_q_attention import STRATEGY as REPLICATED_Q
+from dcp_compile.runtime import parallel
+from dcp_compile.runtime.host_inputs import HostSlot
+from dcp_compile.runtime.kv_pool import MLAKVPool
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+"""transformers model types whose attention the absorb pass knows (Kimi-K2 and Moonlight load as
+deepseek_v3)."""
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The name the model's forward takes its cache under: `cache` since transformers 5.2x,
+    `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def _check_model(model: nn.Module, config: DCPConfig) -> None:
+    text = model.config.get_text_config(decoder=True)
+    model_type = getattr(text, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{type(model).__name__} (model_type {model_type!r}) is not an MLA family dcp_compile knows: "
+                         f"supported model types are {list(SUPPORTED_MODEL_TYPES)}")
+    if not hasattr(model, "generate"):
+        raise ValueError(f"{type(model).__name__} has no generate(): apply takes the causal-LM model "
+                         "(e.g. DeepseekV3ForCausalLM)")
+    if config.dcp_size > 1:
+        if text._attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"attn_implementation {text._attn_implementation!r}: under DCP the absorb pass rewrites "
+                             "'sdpa' and 'eager' attention only")
+        if config.attention_strategy not in ("auto", REPLICATED_Q):
+            raise ValueError(f"attention_strategy {config.attention_strategy!r}: a transformers model's attention is "
+                             f"replicated on every rank, and runs the {REPLICATED_Q!r} strategy")
+
+
+def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | None = None,
+                       kv_keep: str = "memory") -> "DCPTransformersModel":
+    """dcp_compile.apply's path for transformers models (see the module docstring).
+
+    kv_capacity: KV locations of the pool before sharding (default 1 + the model's
+    max_position_embeddings); kv_keep='memory' keeps that many rows per rank and grows the
+    logical capacity dcp_size-fold, 'capacity' keeps the capacity and shrinks the rows."""
+    _check_model(model, config)
+    if "forward" in vars(model):
+        raise ValueError(f"this {type(model).__name__} was already passed to dcp_compile.apply (its forward is a DCP "
+                         "step): apply an unmodified model once")
+    if config.dcp_size > 1 and not dist.is_initialized():
+        raise RuntimeError(f"dcp_size {config.dcp_size} needs torch.distributed initialised with >= {config.dcp_size} "
+                           "ranks (init_process_group on every rank, or dcp_compile.runtime.launch)")
+    text = model.config.get_text_config(decoder=True)
+    capacity = kv_capacity if kv_capacity is not None else 1 + text.max_position_embeddings
+    groups = parallel.build_replicated(config.dcp_size)
+    pool = MLAKVPool(text.num_hidden_layers, capacity, text.kv_lora_rank, text.qk_rope_head_dim, model.dtype,
+                     model.device)
+    lowering = registry.resolve(config.kernels, pool, config)
+    if lowering.plans_on_host or lowering.kv_layout != "packed":
+        raise ValueError(f"kernels={lowering.name!r}: the transformers front end serves back ends that plan nothing "
+                         "on the host and keep the packed KV layout (torch, triton)")
+    config = config.replace(kernels=lowering.name)
+    if config.inner_compile == "auto":
+        config = config.replace(inner_compile=lowering.inner_compile(pool))
+    lowering.check(model, pool, config)
+    lowering.prepare(pool, config)
+    pool.reshard(groups.dcp_size, groups.dcp_rank, config.interleave, kv_keep)
+    strategy = REPLICATED_Q if config.dcp_size > 1 else "gather-q"
+    host_slot = HostSlot(groups.dcp_rank)
+    backend = DCPBackend(config, groups, lowering, strategy, pool.page_size, host_slot, pool,
+                         front_end_passes=[AbsorbMLA()])
+    return DCPTransformersModel(model, DCPState(config, lowering, groups, pool, {strategy: backend}, host_slot=host_slot))
+
+
+class DCPTransformersModel(nn.Module):
+    """What apply returns for a transformers model: generate() and forward() as transformers'
+    own, running the DCP step. `model` is the wrapped transformers model."""
+
+    def __init__(self, model: nn.Module, state: DCPState):
+        super().__init__()
+        _raise_recompile_limit()
+        self.model, self.dcp_state = model, state
+        self.cache_kwarg = cache_kwarg(model)
+        forward = type(model).forward.__get__(model)
+        self._signature = inspect.signature(forward)
+        (backend,) = state.backends.values()
+        self._compiled = torch.compile(forward, backend=_Variant(backend), fullgraph=True, dynamic=False)
+        model.forward = self._step  # the instance's, so generate() and model(...) run the DCP step
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def new_cache(self, batch_size: int, max_length: int | None = None) -> DCPCache:
+        """A cache over this model's KV pool for `batch_size` rows of up to `max_length` positions
+        (default: as many as the pool holds)."""
+        pool = self.dcp_state.kv_pool
+        if max_length is None:
+            max_length = (pool.capacity - 1) // batch_size
+        return DCPCache(pool, batch_size, max_length)
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """transformers' generate(), with a DCP cache sized for this call (prompt + max_new_tokens,
+        else max_length) unless one is passed."""
+        cache = kwargs.pop(self.cache_kwarg, None)
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)  # the deprecated name
+        if cache is None:
+            input_ids = args[0] if args else kwargs.get("input_ids")
+            if input_ids is None:
+                raise ValueError("generate() on a DCP model needs input_ids (inputs_embeds alone cannot size the cache)")
+            cache = self.new_cache(input_ids.shape[0], self._generated_length(input_ids, kwargs))
+        return self.model.generate(*args, **{self.cache_kwarg: cache}, **kwargs)
+
+    def _generated_length(self, input_ids: torch.Tensor, kwargs) -> int:
+        generation_config = kwargs.get("generation_config") or self.model.generation_config
+        max_new_tokens = kwargs.get("max_new_tokens", generation_config.max_new_tokens)
+        if max_new_tokens is not None:
+            return input_ids.shape[1] + max_new_tokens
+        return kwargs.get("max_length", generation_config.max_length)
+
+    def _step(self, *args, **kwargs):
+        call = self._signature.bind_partial(*args, **kwargs).arguments
+        call.update(call.pop("kwargs", {}))
+        if self.cache_kwarg != "past_key_values" and "past_key_values" in call:
+            call[self.cache_kwarg] = call.pop("past_key_values")  # the deprecated name
+        call = self._checked(call)
+        try:
+            out = self._compiled(**call)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            if isinstance(exc.inner_exception, (ValueError, TypeError, AbsorbError, CacheMisuseError, RewriteError)):
+                raise exc.inner_exception from None
+            raise
+        return out
+
+    def _checked(self, call: dict) -> dict:
+        """The call as the compiled step takes it, or a ValueError saying what it cannot serve."""
+        dcp_size = self.dcp_state.config.dcp_size
+        inputs = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
+        if inputs is None:
+            raise ValueError("a DCP step needs input_ids or inputs_embeds")
+        batch, tokens = inputs.shape[:2]
+        cache = call.get(self.cache_kwarg)
+        if cache is None and call.get("use_cache") is False:
+            if dcp_size > 1:
+                raise ValueError("use_cache=False: under DCP every step writes the sharded KV cache")
+            return call
+        if cache is None:
+            cache = self.new_cache(batch, tokens)
+        if not isinstance(cache, DCPCache) or cache.pool is not self.dcp_state.kv_pool:
+            raise ValueError(f"{self.cache_kwarg}={type(cache).__name__}: a DCP model takes the cache of its own KV pool, "
+                             "model.new_cache(batch_size, max_length) (a transformers cache would hold every token on "
+                             "every rank)")
+        if cache.layers[0].batch_size != batch:
+            raise ValueError(f"the cache has {cache.layers[0].batch_size} rows, this step {batch}")
+        length = cache.length()
+        if length + tokens > cache.max_length:
+            raise ValueError(f"this step's {tokens} token(s) after {length} cached ones exceed the cache's max_length "
+                             f"{cache.max_length}")
+        mask = call.get("attention_mask")
+        if mask is not None:
+            if mask.dim() != 2 or tuple(mask.shape) != (batch, length + tokens) or not bool(mask.bool().all()):
+                raise ValueError(f"attention_mask of shape {tuple(mask.shape)}: a DCP step takes unpadded rows of equal "
+                                 f"length, a [{batch}, {length + tokens}] mask of ones (or none)")
+            call["attention_mask"] = None
+        positions = call.get("position_ids")
+        if positions is not None:
+            expected = torch.arange(length, length + tokens, device=positions.device)
+            if positions.shape[-1] != tokens or not bool((positions == expected).all()):
+                raise ValueError(f"position_ids {positions.tolist()}: a DCP step's tokens sit at the cache's positions "
+                                 f"{length}..{length + tokens - 1} of every row")
+            call["position_ids"] = None
+        call[self.cache_kwarg] = cache
+        return call

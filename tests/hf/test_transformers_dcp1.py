@@ -1,0 +1,167 @@
+"""dcp_compile.apply on unmodified transformers DeepSeek-V3 / V2 models at dcp_size 1, in one process:
+generate() against the untouched model's, the graph after the passes, the negative controls and
+the refusals (the multi-rank runs are in test_transformers_distributed.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention  # noqa: E402
+
+import dcp_compile  # noqa: E402
+from dcp_compile.hf import absorb  # noqa: E402
+from dcp_compile.hf.cache import DCPCache  # noqa: E402
+from dcp_compile.passes.base import PassConfig  # noqa: E402
+from dcp_compile.passes.graph_utils import normalize_meta  # noqa: E402
+from dcp_compile.runtime.kv_pool import MLAKVPool  # noqa: E402
+from tests.hf.models import YARN, compare, prompt, tiny_model  # noqa: E402
+
+LAYERS = 2
+CASES = {
+    "v3-sdpa": {},
+    "v3-eager": {"attn_implementation": "eager"},
+    "v3-qlora-rotate-half-yarn": {"q_lora_rank": 12, "rope_interleave": False, "rope_parameters": YARN},
+    "v2-eager-yarn": {"family": "v2", "attn_implementation": "eager", "rope_parameters": YARN},
+    "v2-sdpa-qlora": {"family": "v2", "q_lora_rank": 12},
+}
+
+
+@pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
+def test_generate_matches_transformers(overrides):
+    result = compare(tiny_model(**overrides))
+    assert result["tokens_equal"]
+    assert result["max_logit_diff"] < 1e-5
+    assert result["graphs"] == 2  # prefill and one decode graph for all 15 decode steps
+    assert result["pass_summary"]["absorb_mla"] == LAYERS * result["graphs"]
+    for ops in result["graph_ops"]:
+        assert ops["after"].get("dcp::mla_attention") == LAYERS
+        assert ops["after"].get("dcp::mla_cache_view", 0) == 0
+        assert ops["after"].get("scaled_dot_product_attention", 0) == 0
+        # kv_b_proj over the cache was the only linear removed: W_UK and W_UV are its weight's slices
+        assert ops["before"]["linear"] - ops["after"]["linear"] == LAYERS
+    assert result["tokens_stored"] == result["tokens_total"]
+
+
+def test_negative_control_perturbed_scale(monkeypatch):
+    """A softmax scale off by 10% must fail the comparison that test_generate_matches_transformers passes."""
+    matched = absorb.match_site
+
+    def off_by_ten_percent(*args, **kwargs):
+        site = matched(*args, **kwargs)
+        site.sm_scale *= 1.1
+        return site
+
+    monkeypatch.setattr(absorb, "match_site", off_by_ten_percent)
+    result = compare(tiny_model())
+    assert result["pass_summary"]["absorb_mla"] == LAYERS * result["graphs"]
+    assert not result["tokens_equal"]
+    assert result["max_logit_diff"] > 1e-2
+
+
+class BiasedValueAttention(DeepseekV3Attention):
+    """A changed pattern: the values get a term absorbed MLA does not have."""
+
+    def expand_kv(self, kv_nope, k_rot):
+        key_states, value_states = super().expand_kv(kv_nope, k_rot)
+        return key_states, value_states + 0.01
+
+
+def _biased_model():
+    model = tiny_model()
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = BiasedValueAttention
+    return model
+
+
+def _capture(model, dcp_size: int | None = None, cache=None):
+    """One step of `model` over `cache` (a DCPCache by default), captured; with dcp_size, the
+    absorb pass run on it. Returns (graph module, sites the pass rewrote or None)."""
+    config = model.config
+    pool = MLAKVPool(config.num_hidden_layers, 64, config.kv_lora_rank, config.qk_rope_head_dim)
+    seen = {}
+
+    def backend(gm, example_inputs):
+        normalize_meta(gm.graph)
+        seen["gm"] = gm
+        if dcp_size is not None:
+            seen["sites"] = absorb.AbsorbMLA().run(gm, PassConfig(dcp_size=dcp_size))
+        return gm.forward
+
+    forward = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        forward(input_ids=prompt(), cache=cache if cache is not None else DCPCache(pool, 2, 8))
+    return seen["gm"], seen.get("sites")
+
+
+def _absorb_graph(model, dcp_size: int):
+    return _capture(model, dcp_size)[1]
+
+
+@pytest.mark.parametrize("overrides", [CASES["v3-sdpa"], CASES["v2-eager-yarn"]], ids=["v3-sdpa", "v2-eager-yarn"])
+def test_finder_reads_shapes_and_scale(overrides):
+    model = tiny_model(**overrides)
+    gm, _ = _capture(model)
+    sites, failures = absorb.find_sites(gm.graph)
+    assert failures == []
+    assert [site.layer.split(" ")[0] for site in sites] == [f"L['self'].model.layers.{i}.self_attn" for i in range(LAYERS)]
+    config, attention = model.config, model.model.layers[0].self_attn
+    for site in sites:
+        assert (site.heads, site.nope_dim, site.value_dim, site.rank_dim, site.rope_dim) == (
+            config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank,
+            config.qk_rope_head_dim)
+        assert site.sm_scale == attention.scaling  # the graph's literal, YaRN's mscale included
+    if "rope_parameters" in overrides:
+        assert attention.scaling > (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5 * 1.2
+
+
+def test_finder_matches_only_reads_of_the_pool():
+    """The same attention over transformers' own cache is no site (and no failure): only a read of
+    the KV pool is, so nothing else in a graph is ever rewritten."""
+    model = tiny_model()
+    gm, _ = _capture(model, cache=DynamicCache(config=model.config))
+    assert "scaled_dot_product_attention" in gm.code
+    assert absorb.find_sites(gm.graph) == ([], [])
+
+
+def test_changed_pattern_is_a_clear_error_under_dcp():
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as error:
+        _absorb_graph(_biased_model(), dcp_size=2)
+    assert isinstance(error.value.inner_exception, absorb.AbsorbError)
+    message = str(error.value.inner_exception)
+    assert "2 of 2 attention layers" in message
+    assert "model.layers.0.self_attn (BiasedValueAttention)" in message
+    assert "add" in message  # the node that broke the pattern
+    assert "test_transformers_dcp1.py" in message and "value_states + 0.01" in message  # its source line
+
+
+def test_changed_pattern_runs_unchanged_at_dcp_size_one():
+    assert _absorb_graph(tiny_model(), dcp_size=2) == LAYERS
+    result = compare(_biased_model())
+    assert result["pass_summary"]["absorb_mla"] == 0
+    assert result["tokens_equal"]
+    assert result["max_logit_diff"] < 1e-5
+
+
+def test_refused_before_any_step():
+    original = tiny_model()
+    model = dcp_compile.apply(original, dcp_size=1)
+    with pytest.raises(ValueError, match="already passed to dcp_compile.apply"):
+        dcp_compile.apply(original)
+    input_ids = prompt()
+    padded = torch.ones_like(input_ids)
+    padded[0, 0] = 0
+    with pytest.raises(ValueError, match="unpadded rows"):
+        model.generate(input_ids, attention_mask=padded, max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="cache's positions"):
+        model(input_ids, position_ids=torch.arange(1, 6)[None])
+    with pytest.raises(ValueError, match="own KV pool"):
+        model(input_ids, cache=DynamicCache(config=model.config))
+    with pytest.raises(ValueError, match="max_length"):
+        model(input_ids, cache=model.new_cache(2, 4))
+    assert dcp_compile.state(model).reports == []  # nothing was compiled

@@ -1,0 +1,76 @@
+"""dcp_compile.apply(DeepseekV3ForCausalLM or DeepseekV2ForCausalLM, dcp_size=2) on 2 gloo ranks: generate() returns
+the untouched model's greedy tokens, each rank stores half of the KV, and the negative controls
+(a perturbed softmax scale, the sharded KV write disabled) fail the same comparison; and V3 at
+dcp_size=4 on 4 ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from dcp_compile.runtime.launch import spawn  # noqa: E402
+from tests.hf.models import YARN, rank_compare  # noqa: E402
+
+LAYERS = 2
+DCP_SIZE = 2
+MATCHING = {
+    "v3-sdpa": {},
+    "v3-qlora-rotate-half-yarn": {"overrides": {"q_lora_rank": 12, "rope_interleave": False, "rope_parameters": YARN}},
+    "v2-eager-yarn": {"overrides": {"family": "v2", "attn_implementation": "eager", "rope_parameters": YARN}},
+}
+CONTROLS = {"scale+10%": {"scale_factor": 1.1}, "unsharded-write": {"apply": {"disabled_passes": ("shard_kv_write",)}}}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every case in one launch of 2 ranks: {case name: [rank 0's result, rank 1's]}."""
+    cases = {**MATCHING, **CONTROLS}
+    per_rank = spawn(rank_compare, DCP_SIZE, list(cases.values()))
+    return {name: [rank[i] for rank in per_rank] for i, name in enumerate(cases)}
+
+
+@pytest.mark.parametrize("case", MATCHING)
+def test_generate_matches_transformers(runs, case):
+    for result in runs[case]:
+        assert result["tokens_equal"]
+        assert result["max_logit_diff"] < 1e-5
+        assert result["dcp_size"] == DCP_SIZE
+        assert result["capacity_ratio"] >= 1.9
+        graphs = result["graphs"]
+        summary = result["pass_summary"]
+        assert summary["absorb_mla"] == summary["replicated_q_attention"] == LAYERS * graphs
+        assert summary["shard_kv_write"] == LAYERS * graphs
+        for ops in result["graph_ops"]:
+            after = ops["after"]
+            assert after.get("dcp::mla_partial_attention") == LAYERS
+            assert after.get("_c10d_functional::all_gather_into_tensor") == LAYERS  # (out, lse), no Q gather
+            assert after.get("_c10d_functional::all_to_all_single", 0) == 0
+            for gone in ("dcp::mla_attention", "dcp::mla_cache_view", "scaled_dot_product_attention", "dcp::mla_kv_write"):
+                assert after.get(gone, 0) == 0, gone
+            assert ops["before"]["linear"] - after["linear"] == LAYERS
+    stored = [result["tokens_stored"] for result in runs[case]]
+    assert sum(stored) == runs[case][0]["tokens_total"]
+    assert max(stored) - min(stored) <= 2  # token-interleaved: about half each
+
+
+def test_negative_control_perturbed_scale(runs):
+    for result in runs["scale+10%"]:
+        assert not result["tokens_equal"]
+
+
+def test_negative_control_unsharded_kv_write(runs):
+    for result in runs["unsharded-write"]:
+        assert result["pass_summary"]["shard_kv_write"] == 0
+        assert not result["tokens_equal"]
+
+
+def test_dcp4_matches_transformers():
+    per_rank = [results[0] for results in spawn(rank_compare, 4, [MATCHING["v3-sdpa"]])]
+    for result in per_rank:
+        assert result["tokens_equal"]
+        assert result["max_logit_diff"] < 1e-5
+        assert result["capacity_ratio"] >= 3.9
+        assert result["pass_summary"]["replicated_q_attention"] == LAYERS * result["graphs"]
+    stored = [result["tokens_stored"] for result in per_rank]
+    assert sum(stored) == per_rank[0]["tokens_total"] and max(stored) - min(stored) <= 2
