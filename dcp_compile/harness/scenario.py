@@ -402,6 +402,29 @@ def compare(scenario: Scenario) -> dict:
     return summarize(scenario, ranks)
 
 
+def _run_all_on_rank(rank: int, world_size: int, scenarios: list[Scenario]) -> list[dict]:
+    return [run_on_rank(rank, world_size, scenario) for scenario in scenarios]
+
+
+def compare_all(scenarios: list[Scenario]) -> list[dict]:
+    """compare() of each scenario, in order, with one spawn per (TP size, device): the ranks, their
+    imports and warm-up are shared by the scenarios of a spawn (each still builds its own models
+    and process groups). One failing scenario fails its whole spawn."""
+    results: dict[int, dict] = {}
+    groups: dict[tuple, list[int]] = {}
+    for i, scenario in enumerate(scenarios):
+        groups.setdefault((scenario.tp_size, scenario.device), []).append(i)
+    for (tp_size, device), members in groups.items():
+        group = [scenarios[i] for i in members]
+        if device == "cuda" and torch.cuda.device_count() < tp_size:
+            raise ValueError(f"--device cuda spawns one rank per GPU: tp_size {tp_size} needs {tp_size} GPUs")
+        ranks = spawn(_run_all_on_rank, tp_size, group, backend={"cuda": "nccl", "npu": "hccl"}.get(device, "gloo"),
+                      timeout=max(s.timeout for s in group))
+        for j, i in enumerate(members):
+            results[i] = summarize(scenarios[i], [per_rank[j] for per_rank in ranks])
+    return [results[i] for i in range(len(scenarios))]
+
+
 def compare_torchrun(scenario: Scenario) -> tuple[dict, int]:
     """The comparison on ranks a torchrun launch started (one node or several); every TP group
     of the world runs it. Returns (the summary of every rank, this rank)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_compile.harness.scenario import Scenario, compare
+from dcp_compile.harness.scenario import Scenario, compare_all
 
 CASES = [
     Scenario(dcp_size=2, tp_size=2, batch=5, contexts=(1, 2, 17, 40, 3), steps=4, pad_rows=2, seed=1),
@@ -18,9 +18,16 @@ CASES = [
 ]
 
 
+
+@pytest.fixture(scope="module")
+def results():
+    """Every case's result, from one spawn per TP size (the ranks' warm-up shared)."""
+    return compare_all(CASES)
+
+
 @pytest.mark.parametrize("scenario", CASES, ids=lambda s: f"tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}")
-def test_dcp_matches_dcp_size_one(scenario):
-    result = compare(scenario)
+def test_dcp_matches_dcp_size_one(scenario, results):
+    result = results[CASES.index(scenario)]
     assert result["finite"]
     assert result["max_abs_diff"] < 1e-5
     assert result["tokens_match"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_compile.harness.scenario import Scenario, compare
+from dcp_compile.harness.scenario import Scenario, compare_all
 
 CASES = [
     # Verify: k = 7 with scripted accept/reject (0..6 drafts accepted), then local lengths recomputed.
@@ -27,12 +27,19 @@ CASES = [
 ]
 
 
+
+@pytest.fixture(scope="module")
+def results():
+    """Every case's result, from one spawn per TP size (the ranks' warm-up shared)."""
+    return compare_all(CASES)
+
+
 @pytest.mark.parametrize(
     "scenario", CASES,
     ids=lambda s: f"{s.mode}-tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}-{s.attention_strategy}-{s.kernels}",
 )
-def test_mode_matches_dcp_size_one(scenario):
-    result = compare(scenario)
+def test_mode_matches_dcp_size_one(scenario, results):
+    result = results[CASES.index(scenario)]
     assert result["finite"]
     assert result["max_abs_diff"] < 1e-5 and result["outputs_match"]
     assert result["tokens_match"]
