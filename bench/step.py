@@ -171,7 +171,8 @@ def attention_layer_seconds(args, cfg, lowering: str, device, tp, timer) -> dict
     return out
 
 
-def bench_combo(args, cfg, lowering: str, inner: str, device, tp, rates: dict, result: dict) -> None:
+def bench_combo(args, cfg, lowering: str, inner: str, device, tp, result: dict) -> None:
+    """Time one (lowering, inner compiler) into `result` (which holds the run's copy and matmul rates)."""
     timer = Timer(device, args.replays, repeats=args.repeats)
     attention = attention_layer_seconds(args, cfg, lowering, device, tp, timer)
     started = time.perf_counter()
@@ -192,7 +193,7 @@ def bench_combo(args, cfg, lowering: str, inner: str, device, tp, rates: dict, r
                 row["capture_error"] = timing["capture_error"]
         except Exception as error:  # noqa: BLE001 - reported, the run goes on
             row.update(step_seconds=float("nan"), error=f"{type(error).__name__}: {error}"[:400])
-        row.update(floor(cfg, weights, k, batch, context, rates["copy_bytes_per_s"], rates["matmul_flops_per_s"]))
+        row.update(floor(cfg, weights, k, batch, context, result["copy_bytes_per_s"], result["matmul_flops_per_s"]))
         row["fraction_of_floor"] = row["floor_seconds"] / row["step_seconds"]
         row["attention_seconds"] = attention[(k, batch, context)] * cfg.num_mla_layers
         row["rest_seconds"] = row["step_seconds"] - row["attention_seconds"]
@@ -292,7 +293,7 @@ def main(argv=None) -> int:
             if time.time() - started > args.budget_s:
                 result.setdefault("skipped", []).append(f"{lowering}:{inner} (budget)")
                 continue
-            bench_combo(args, cfg, lowering, inner, device, tp, result, result)
+            bench_combo(args, cfg, lowering, inner, device, tp, result)
             save()
     finally:
         MLAKVPool._allocate = original

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import call, check_replacement, fake_value
+from dcp_compile.passes.graph_utils import call, fake_value
 from dcp_compile.passes.gather_q_attention import group_name
 from dcp_compile.ops import targets
 
@@ -39,27 +39,20 @@ class GatherKVAttention(GraphPass):
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         graph, n = gm.graph, config.dcp_size
         group = group_name(config)
-        local = sites.find_local_metadata(graph)
-        gathered: dict[tuple, fx.Node] = {}
-        attention = sites.find_attention_sites(graph)
-        for site in attention:
+        gathered: dict[tuple, list[fx.Node]] = {}
+
+        def rewrite(site: sites.AttentionSite, meta: fx.Node) -> fx.Node:
             key = (site.req_to_token, site.seq_lens)
-            if key not in local:
-                raise RuntimeError("gather_kv_attention found an MLA site with no local metadata: run local_metadata first")
             row_dim = fake_value(site.cache).shape[-1]
-            with graph.inserting_before(site.node):
-                if key not in gathered:
-                    meta = call(graph, targets.GATHERED_KV_METADATA, *key, n, config.interleave)
-                    gathered[key] = [call(graph, operator.getitem, meta, i) for i in range(3)]
-                local_page, local_lens = (call(graph, operator.getitem, local[key], i) for i in range(2))
-                rows = call(graph, targets.GATHER_LOCAL_ROWS, site.cache, local_page, local_lens)
-                rows = call(graph, c10d.wait_tensor.default, call(graph, c10d.all_gather_into_tensor.default, rows, n, group))
-                rows = call(graph, torch.ops.aten.view.default, rows, [-1, row_dim])  # N*B*L rows; B may be symbolic
-                partial = call(graph, targets.PARTIAL_ATTENTION, site.q_latent, site.q_rope, rows, *gathered[key],
-                               site.q_seq_ids, site.q_positions, site.sm_scale)
-                out = call(graph, operator.getitem, partial, 0)
-            check_replacement(site.node, out, self.name)
-            site.node.replace_all_uses_with(out)
-        for site in attention:
-            graph.erase_node(site.node)
-        return len(attention)
+            if key not in gathered:
+                gathered_meta = call(graph, targets.GATHERED_KV_METADATA, *key, n, config.interleave)
+                gathered[key] = [call(graph, operator.getitem, gathered_meta, i) for i in range(3)]
+            local_page, local_lens = (call(graph, operator.getitem, meta, i) for i in range(2))
+            rows = call(graph, targets.GATHER_LOCAL_ROWS, site.cache, local_page, local_lens)
+            rows = call(graph, c10d.wait_tensor.default, call(graph, c10d.all_gather_into_tensor.default, rows, n, group))
+            rows = call(graph, torch.ops.aten.view.default, rows, [-1, row_dim])  # N*B*L rows; B may be symbolic
+            partial = call(graph, targets.PARTIAL_ATTENTION, site.q_latent, site.q_rope, rows, *gathered[key],
+                           site.q_seq_ids, site.q_positions, site.sm_scale)
+            return call(graph, operator.getitem, partial, 0)
+
+        return sites.rewrite_attention_sites(graph, self.name, rewrite)

@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import call, check_replacement, fake_value
+from dcp_compile.passes.graph_utils import call, fake_value
 from dcp_compile.ops import targets
 
 aten = torch.ops.aten
@@ -49,6 +49,17 @@ def _as_dtype(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
     return call(graph, aten._to_copy.default, node, dtype=dtype)
 
 
+def packed_partial_attention(graph: fx.Graph, site: sites.AttentionSite, meta: fx.Node, q_latent: fx.Node,
+                             q_rope: fx.Node, parts: int) -> fx.Node:
+    """The site's partial attention over the rank's shard (its local metadata `meta`), out and lse
+    packed for `parts` destinations (dcp.pack_partials)."""
+    local = [call(graph, operator.getitem, meta, i) for i in range(3)]
+    partial = call(graph, targets.PARTIAL_ATTENTION, q_latent, q_rope, site.cache, *local,
+                   site.q_seq_ids, site.q_positions, site.sm_scale)
+    out, lse = (call(graph, operator.getitem, partial, i) for i in range(2))
+    return call(graph, targets.PACK_PARTIALS, out, lse, parts)
+
+
 class GatherQAttention(GraphPass):
     name = "gather_q_attention"
 
@@ -58,33 +69,21 @@ class GatherQAttention(GraphPass):
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         graph, n = gm.graph, config.dcp_size
         group = group_name(config)
-        metadata = sites.find_local_metadata(graph)
-        attention = sites.find_attention_sites(graph)
-        for site in attention:
-            meta = metadata.get((site.req_to_token, site.seq_lens))
-            if meta is None:
-                raise RuntimeError("gather_q_attention found an MLA site with no local metadata: run local_metadata first")
+
+        def rewrite(site: sites.AttentionSite, meta: fx.Node) -> fx.Node:
             _, heads, rank_dim = fake_value(site.q_latent).shape
             row_dim = rank_dim + fake_value(site.q_rope).shape[-1]
-            with graph.inserting_before(site.node):
-                q = call(graph, aten.cat.default, [site.q_latent, site.q_rope], -1)
-                q = call(graph, c10d.wait_tensor.default, call(graph, c10d.all_gather_into_tensor.default, q, n, group))
-                # -1 for the token count: a symbolic graph's is a SymInt, which no node argument may hold.
-                q = call(graph, aten.view.default, q, [n, -1, heads, row_dim])
-                q = call(graph, aten.transpose.int, q, 0, 1)
-                q = call(graph, aten.reshape.default, q, [-1, n * heads, row_dim])
-                q_latent = _as_dtype(graph, call(graph, aten.slice.Tensor, q, -1, 0, rank_dim), fake_value(site.q_latent).dtype)
-                q_rope = _as_dtype(graph, call(graph, aten.slice.Tensor, q, -1, rank_dim, row_dim), fake_value(site.q_rope).dtype)
-                local = [call(graph, operator.getitem, meta, i) for i in range(3)]
-                partial = call(graph, targets.PARTIAL_ATTENTION, q_latent, q_rope, site.cache, *local,
-                               site.q_seq_ids, site.q_positions, site.sm_scale)
-                out, lse = (call(graph, operator.getitem, partial, i) for i in range(2))
-                packed = call(graph, targets.PACK_PARTIALS, out, lse, n)
-                exchanged = call(graph, c10d.all_to_all_single.default, packed, [1] * n, [1] * n, group)
-                exchanged = call(graph, c10d.wait_tensor.default, exchanged)
-                merged = call(graph, targets.MERGE_PARTIALS, exchanged, rank_dim)
-            check_replacement(site.node, merged, self.name)
-            site.node.replace_all_uses_with(merged)
-        for site in attention:
-            graph.erase_node(site.node)
-        return len(attention)
+            q = call(graph, aten.cat.default, [site.q_latent, site.q_rope], -1)
+            q = call(graph, c10d.wait_tensor.default, call(graph, c10d.all_gather_into_tensor.default, q, n, group))
+            # -1 for the token count: a symbolic graph's is a SymInt, which no node argument may hold.
+            q = call(graph, aten.view.default, q, [n, -1, heads, row_dim])
+            q = call(graph, aten.transpose.int, q, 0, 1)
+            q = call(graph, aten.reshape.default, q, [-1, n * heads, row_dim])
+            q_latent = _as_dtype(graph, call(graph, aten.slice.Tensor, q, -1, 0, rank_dim), fake_value(site.q_latent).dtype)
+            q_rope = _as_dtype(graph, call(graph, aten.slice.Tensor, q, -1, rank_dim, row_dim), fake_value(site.q_rope).dtype)
+            packed = packed_partial_attention(graph, site, meta, q_latent, q_rope, n)
+            exchanged = call(graph, c10d.all_to_all_single.default, packed, [1] * n, [1] * n, group)
+            exchanged = call(graph, c10d.wait_tensor.default, exchanged)
+            return call(graph, targets.MERGE_PARTIALS, exchanged, rank_dim)
+
+        return sites.rewrite_attention_sites(graph, self.name, rewrite)

@@ -27,8 +27,8 @@ import torch.fx as fx
 from dcp_compile.ops import targets
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.gather_q_attention import group_name
-from dcp_compile.passes.graph_utils import call, check_replacement, fake_value
+from dcp_compile.passes.gather_q_attention import group_name, packed_partial_attention
+from dcp_compile.passes.graph_utils import call, fake_value
 
 c10d = torch.ops._c10d_functional
 
@@ -44,24 +44,11 @@ class ReplicatedQAttention(GraphPass):
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         graph, n = gm.graph, config.dcp_size
         group = group_name(config)
-        metadata = sites.find_local_metadata(graph)
-        attention = sites.find_attention_sites(graph)
-        for site in attention:
-            meta = metadata.get((site.req_to_token, site.seq_lens))
-            if meta is None:
-                raise RuntimeError(f"{self.name} found an MLA site with no local metadata: run local_metadata first")
-            rank_dim = fake_value(site.q_latent).shape[-1]
-            with graph.inserting_before(site.node):
-                local = [call(graph, operator.getitem, meta, i) for i in range(3)]
-                partial = call(graph, targets.PARTIAL_ATTENTION, site.q_latent, site.q_rope, site.cache, *local,
-                               site.q_seq_ids, site.q_positions, site.sm_scale)
-                out, lse = (call(graph, operator.getitem, partial, i) for i in range(2))
-                packed = call(graph, targets.PACK_PARTIALS, out, lse, 1)
-                gathered = call(graph, c10d.all_gather_into_tensor.default, packed, n, group)
-                gathered = call(graph, c10d.wait_tensor.default, gathered)
-                merged = call(graph, targets.MERGE_PARTIALS, gathered, rank_dim)
-            check_replacement(site.node, merged, self.name)
-            site.node.replace_all_uses_with(merged)
-        for site in attention:
-            graph.erase_node(site.node)
-        return len(attention)
+
+        def rewrite(site: sites.AttentionSite, meta: fx.Node) -> fx.Node:
+            packed = packed_partial_attention(graph, site, meta, site.q_latent, site.q_rope, 1)
+            gathered = call(graph, c10d.all_gather_into_tensor.default, packed, n, group)
+            gathered = call(graph, c10d.wait_tensor.default, gathered)
+            return call(graph, targets.MERGE_PARTIALS, gathered, fake_value(site.q_latent).shape[-1])
+
+        return sites.rewrite_attention_sites(graph, self.name, rewrite)

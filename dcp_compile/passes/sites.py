@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch.fx as fx
 
+from dcp_compile.passes.graph_utils import check_replacement
 from dcp_compile.ops.targets import ATTENTION, CACHE_VIEW, KV_WRITE, LOCAL_METADATA, PARTIAL_ATTENTION, SHARDED_KV_WRITE
 
 
@@ -50,6 +53,27 @@ def find_attention_sites(graph: fx.Graph) -> list[AttentionSite]:
 def find_local_metadata(graph: fx.Graph) -> dict[tuple[fx.Node, fx.Node], fx.Node]:
     """Existing local-metadata nodes keyed by their (req_to_token, seq_lens) inputs."""
     return {(n.args[0], n.args[1]): n for n in _calls(graph, LOCAL_METADATA)}
+
+
+def rewrite_attention_sites(graph: fx.Graph, pass_name: str,
+                            rewrite: Callable[[AttentionSite, fx.Node], fx.Node]) -> int:
+    """Replace every MLA attention site by `rewrite(site, its local-metadata node)`, inserted
+    before the site: the frame of the DCP attention rewrites. Each site must have local
+    metadata (local_metadata ran first), and its replacement keeps its dtype and shape.
+    Returns the number of sites."""
+    metadata = find_local_metadata(graph)
+    attention = find_attention_sites(graph)
+    for site in attention:
+        meta = metadata.get((site.req_to_token, site.seq_lens))
+        if meta is None:
+            raise RuntimeError(f"{pass_name} found an MLA site with no local metadata: run local_metadata first")
+        with graph.inserting_before(site.node):
+            replacement = rewrite(site, meta)
+        check_replacement(site.node, replacement, pass_name)
+        site.node.replace_all_uses_with(replacement)
+    for site in attention:
+        graph.erase_node(site.node)
+    return len(attention)
 
 
 def count_mla_sites(graph: fx.Graph) -> int:
