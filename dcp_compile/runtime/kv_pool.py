@@ -12,8 +12,8 @@ from dcp_compile.runtime import layout
 SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KV_LAYOUTS = ("packed", "split")
 """packed: one [rows, R + P] tensor per layer. split: latent [rows, R] and rope [rows, P], two
-contiguous tensors per layer, as a kernel that takes them as two inputs needs them (Ascend FIA,
-docs/ascend.md §11.1). A kernel back end chooses (Lowering.kv_layout)."""
+contiguous tensors per layer, as a kernel that takes them as two inputs needs them (Ascend's fused
+attention, docs/ascend.md §11.1). A kernel back end chooses (Lowering.kv_layout)."""
 
 
 @dataclass(frozen=True)
