@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, each under its own time limit.
-# Usage: bench/gpu_run.sh OUT_DIR [tests|kernels|decode|lowerings|step|dcp-step]...   (default: tests kernels decode)
+# Usage: bench/gpu_run.sh OUT_DIR [tests|kernels|decode|lowerings|step|profile|dcp-step]...   (default: tests kernels decode)
 # FlashInfer travels as wheels (README, "On NVIDIA GPUs"): put them in WHEELS (default .whl) to install them here.
 set -u
 out=${1:?usage: bench/gpu_run.sh OUT_DIR [parts]}; shift
@@ -22,6 +22,7 @@ for part in $parts; do
     lowerings) timeout "${LOWERINGS_S:-300}" python3 bench/lowerings.py --out "$out/lowerings.json" ${LOWERINGS_ARGS:-} 2>&1 | tee "$out/lowerings.log" | tail -70 ;;
     step) timeout "${STEP_S:-420}" torchrun --nproc-per-node 1 bench/step.py --out "$out/step.json" ${STEP_ARGS:-} 2>&1 | tee "$out/step.log" | grep -v "^W1" | tail -40
           python3 bench/report_step.py "$out/step.json" --plot "$out/step.png" > "$out/step_table.md" 2>&1 ;;
+    profile) timeout "${PROFILE_S:-420}" torchrun --nproc-per-node 1 bench/profile_step.py --out "$out/step_profile.json" ${PROFILE_ARGS:-} 2>&1 | tee "$out/step_profile.log" | grep -v "^W1\|USDT" | tail -80 ;;
     dcp-step) timeout "${DCP_STEP_S:-420}" torchrun --nproc-per-node 2 bench/dcp_step.py --out "$out/dcp_step.json" ${DCP_STEP_ARGS:-} 2>&1 | tee "$out/dcp_step.log" | grep -v "^W1" | tail -60 ;;
   esac
 done
