@@ -55,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--combo", default="flashinfer:inductor", help="lowering:inner_compile")
     p.add_argument("--cases", default="1:4:131072,1:16:131072,7:4:131072", help="k:batch:context,...")
     p.add_argument("--layers", type=int, default=61)
+    p.add_argument("--fuse-projections", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--replays", type=int, default=5)
     p.add_argument("--top", type=int, default=25, help="kernels listed per case")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 tiny layers, torch kernels: checks the script")
@@ -209,6 +210,7 @@ def main(argv=None) -> int:
     MLAKVPool._allocate = shared_kv_allocate
     try:
         model, compiled = step_bench.build(args, cfg, args.lowering, args.inner, device, tp)
+        result["fuse_projections"] = dcp_compile.state(compiled).config.fuse_projections
         width = max(args.contexts)
         for index, (k, batch, context) in enumerate(args.cases):
             first = step_bench.run_case(compiled, batch, context, k, width, device,

@@ -66,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="32768,131072")
     p.add_argument("--decode-batches", default="4,16,64")
     p.add_argument("--verify-batches", default="4,16")
+    p.add_argument("--fuse-projections", default="auto", choices=("auto", "on", "off"),
+                   help="apply(..., fuse_projections=): fuse q_a with kv_a and gate with up (auto: on, on CUDA)")
     p.add_argument("--draft", type=int, default=7)
     p.add_argument("--layers", type=int, default=61)
     p.add_argument("--replays", type=int, default=6)
@@ -129,7 +131,7 @@ def build(args, cfg, lowering: str, inner: str, device, tp):
     model = MLAModel(cfg, kv_capacity=capacity(args), max_requests=max(args.decode_batches + args.verify_batches), par=tp,
                      dtype=torch.bfloat16, device=device, page_size=page_size(1))
     compiled = dcp_compile.apply(model, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=lowering,
-                                 inner_compile=inner)
+                                 inner_compile=inner, fuse_projections=args.fuse_projections)
     fill_random(model.kv_pool.cache(0))
     return model, compiled
 
@@ -183,7 +185,7 @@ def bench_combo(args, cfg, lowering: str, inner: str, device, tp, result: dict) 
     compile_row = {"lowering": lowering, "inner_compile": inner, "model_build_seconds": build_seconds}
     for k, batch, context in cases(args):
         row = {"lowering": lowering, "inner_compile": inner, "context": context, "batch": batch, "k": k,
-               "layers": cfg.num_layers}
+               "layers": cfg.num_layers, "fuse_projections": dcp_compile.state(compiled).config.fuse_projections}
         try:
             row["compile_seconds"] = run_case(compiled, batch, context, k, width, device,
                                               lambda fn: timed_first_call(fn, device))

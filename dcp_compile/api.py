@@ -274,8 +274,7 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     parallel.validate_sizes(current.tp_size, config.dcp_size, world)
     lowering = registry.resolve(config.kernels, pool, config)
     config = config.replace(kernels=lowering.name)
-    if config.inner_compile == "auto":
-        config = config.replace(inner_compile=lowering.inner_compile(pool))
+    config = config.resolved(lowering, pool)
     lowering.check(model, pool, config)
     if config.inner_compile == "torchair":
         require_torch_npu("inner_compile='torchair'")

@@ -14,6 +14,7 @@ from dcp_compile.debug.dump import TextDump, writable_folder
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.passes import PassConfig, PassManager, PassReport, default_passes
 from dcp_compile.passes.cache_use import bind_pool, check_cache_use
+from dcp_compile.passes.fuse_projections import bind_weights
 from dcp_compile.passes.sites import count_cache_views, count_mla_sites
 from dcp_compile.runtime.host_inputs import HostSlot
 from dcp_compile.runtime.parallel import ParallelState
@@ -29,6 +30,7 @@ def pass_config(config: DCPConfig, parallel: ParallelState, strategy: str, page_
         dcp_group_name=parallel.dcp_group_name,
         debug_checks=config.debug_checks,
         attention_strategy=strategy,
+        fuse_projections=config.fuse_projections == "on",
         page_size=page_size,
     )
 
@@ -88,6 +90,7 @@ class DCPBackend:
         gm = _own_graph(gm)
         if self.pool is not None:
             bind_pool(gm, example_inputs, self.pool)
+        bind_weights(gm, example_inputs)  # also when off: a later fusing graph must know what this one reads
         report = self.manager.run(gm)
         self.reports.append(report)
         log.info("dcp_compile graph %d: %s", len(self.reports) - 1, report.summary())

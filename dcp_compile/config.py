@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 INNER_COMPILERS = ("auto", "eager", "inductor", "torchair")
 FIA_BLOCK_SIZE_RULES = ("cann-2025", "cann-2026")
+FUSE_PROJECTIONS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,12 @@ class DCPConfig:
     1024, which only a CANN built from ops-transformer of 2026 or later (e197ec56) accepts
     (docs/ascend.md §4.5)."""
 
+    fuse_projections: str = "auto"
+    """'on': the projections that read one input become one matmul at compile time (q_a with kv_a,
+    gate with up; passes/fuse_projections.py), the parameters becoming views of the fused weight;
+    'off'; 'auto' (default): on where the KV pool is on a CUDA device, where it was measured to pay,
+    off elsewhere. apply() records what it resolved here."""
+
     attention_strategy: str = "auto"
     """'gather-q', 'gather-kv', or 'auto': the cost model picks per batch (dcp_compile.cost_model)."""
 
@@ -71,11 +78,22 @@ class DCPConfig:
             raise ValueError("kernels='npu' runs with inner_compile='eager' (inductor does not lower the torch_npu ops)")
         if self.fia_block_sizes not in FIA_BLOCK_SIZE_RULES:
             raise ValueError(f"fia_block_sizes must be one of {FIA_BLOCK_SIZE_RULES}, got {self.fia_block_sizes!r}")
+        if self.fuse_projections not in FUSE_PROJECTIONS:
+            raise ValueError(f"fuse_projections must be one of {FUSE_PROJECTIONS}, got {self.fuse_projections!r}")
         if not isinstance(self.debug_checks, bool):
             raise ValueError(f"debug_checks must be True or False, got {self.debug_checks!r}")
         if self.attention_strategy not in ("auto", "gather-q", "gather-kv"):
             raise ValueError(f"attention_strategy must be 'auto', 'gather-q' or 'gather-kv', got {self.attention_strategy!r}")
         object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
+
+    def resolved(self, lowering, pool) -> "DCPConfig":
+        """The config with each 'auto' the back end and the pool decide turned into its choice."""
+        config = self
+        if config.inner_compile == "auto":
+            config = config.replace(inner_compile=lowering.inner_compile(pool))
+        if config.fuse_projections == "auto":
+            config = config.replace(fuse_projections="on" if pool.device.type == "cuda" else "off")
+        return config
 
     def replace(self, **changes) -> "DCPConfig":
         return dataclasses.replace(self, **changes)

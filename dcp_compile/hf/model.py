@@ -94,8 +94,7 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
         raise ValueError(f"kernels={lowering.name!r}: the transformers front end serves back ends that plan nothing "
                          "on the host and keep the packed KV layout (torch, triton)")
     config = config.replace(kernels=lowering.name)
-    if config.inner_compile == "auto":
-        config = config.replace(inner_compile=lowering.inner_compile(pool))
+    config = config.resolved(lowering, pool)
     lowering.check(model, pool, config)
     lowering.prepare(pool, config)
     pool.reshard(groups.dcp_size, groups.dcp_rank, config.interleave, kv_keep)

@@ -20,6 +20,8 @@ class PassConfig:
     attention_strategy: str = "gather-q"
     """How attention reaches the sharded KV: 'gather-q' (Q all-gather, partial attention, LSE
     merge) or 'gather-kv' (all-gather this batch's KV rows, attend with local heads)."""
+    fuse_projections: bool = False
+    """Fuse the projections that read one input into one matmul (passes/fuse_projections.py)."""
     page_size: int = 1
     """Locations per logical KV page (the pool's); paged kernels (FIA, FlashInfer) read local blocks of it."""
 

@@ -20,6 +20,7 @@ from dcp_compile.passes.check_metadata import CheckMetadata
 from dcp_compile.passes.gather_kv_attention import GatherKVAttention
 from dcp_compile.passes.guard_batch import GuardBatch
 from dcp_compile.passes.cleanup import Cleanup
+from dcp_compile.passes.fuse_projections import FuseProjections
 from dcp_compile.passes.graph_utils import mutated_inputs, normalize_meta, op_counts
 from dcp_compile.passes.local_metadata import LocalMetadata
 from dcp_compile.passes.gather_q_attention import GatherQAttention
@@ -34,7 +35,7 @@ def default_passes(lowering_passes=(), front_end_passes=()) -> list[GraphPass]:
     """The pipeline: a front end's passes (which turn a known model family's attention into the
     canonical ops, dcp_compile/hf), the DCP passes, a back end's lowering passes, cleanup, verify."""
     return [*front_end_passes, CheckLocations(), CheckMetadata(), GuardBatch(), ShardKVWrite(), LocalMetadata(), GatherQAttention(),
-            ReplicatedQAttention(), GatherKVAttention(), *lowering_passes, Cleanup(), Verify()]
+            ReplicatedQAttention(), GatherKVAttention(), *lowering_passes, FuseProjections(), Cleanup(), Verify()]
 
 
 PASS_NAMES = tuple(p.name for p in default_passes())

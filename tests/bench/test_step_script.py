@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("lowering", "inner_compile", "context", "batch", "k", "step_seconds", "floor_seconds", "fraction_of_floor",
           "compile_seconds")
@@ -34,3 +36,17 @@ def test_step_bench_smoke_writes_every_case_with_its_floor(tmp_path):
     report = subprocess.run([sys.executable, str(ROOT / "bench/report_step.py"), str(out)], check=True, cwd=ROOT,
                             capture_output=True, text=True).stdout
     assert "| torch + eager | 256 | 2 | 7 |" in report and "cold compile" in report
+
+
+def test_profile_bench_smoke_sums_each_case_by_kernel_class(tmp_path):
+    out = tmp_path / "profile.json"
+    subprocess.run([sys.executable, str(ROOT / "bench/profile_step.py"), "--smoke", "--out", str(out)], check=True,
+                   cwd=ROOT, timeout=600, capture_output=True)
+    result = json.loads(out.read_text())
+    assert [(c["k"], c["batch"]) for c in result["cases"]] == [(1, 2), (3, 2)]
+    for case in result["cases"]:
+        for part in (case["step"], case["attention_layer_alone"]):
+            assert part["step_seconds"] > 0 and part["kernels_per_step"] > 0
+            assert sum(part["classes_seconds"].values()) == pytest.approx(part["kernel_seconds"])
+            assert part["top_kernels"] and all(k["seconds_per_step"] >= 0 for k in part["top_kernels"])
+    assert "compile_phases_seconds" in result["cases"][0]

@@ -64,3 +64,23 @@ def test_flashinfer_under_inductor_replays_from_cuda_graphs_as_lengths_change():
     assert len(runner.captured) == 2  # one graph for decode, one for verify, replayed as the lengths grew
     print("FlashInfer + inductor, CUDA graph replays vs eager:", worst)
     assert worst < 2e-2
+
+
+@served
+def test_fused_projections_match_the_unfused_model_under_inductor():
+    """fuse_projections='auto' is on for a CUDA pool: q_a with kv_a and gate with up run as one
+    matmul each, against the same model with them apart."""
+    models = {fuse: _model("flashinfer", inner_compile="inductor", fuse_projections=fuse) for fuse in ("auto", "off")}
+    assert dcp_compile.state(models["auto"]).config.fuse_projections == "on"
+    tables = {fuse: RequestTable(4, 2048, 8192, 16) for fuse in models}
+    worst = 0.0
+    for tokens in STEPS:
+        logits = {}
+        for fuse, model in models.items():
+            batch = tables[fuse].extend_batch([0, 1, 2], tokens, pad_rows=1, all_logits=True)
+            logits[fuse] = model(*batch.to("cuda").args(), host_metadata=batch.host)
+        worst = max(worst, relative(logits["auto"], logits["off"]))
+    report = next(b.reports[-1] for b in dcp_compile.state(models["auto"]).backends.values() if b.reports)
+    assert report.sites("fuse_projections") > 0
+    print(f"fused vs unfused projections, bf16: worst |diff| / max|logits| = {worst:.3g}")
+    assert worst < 2e-2
