@@ -14,7 +14,7 @@ from dcp_compile.debug.dump import TextDump, writable_folder
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.passes import PassConfig, PassManager, PassReport, default_passes
 from dcp_compile.passes.cache_use import bind_pool, check_cache_use
-from dcp_compile.passes.fuse_projections import bind_weights
+from dcp_compile.passes.fuse_projections import bind_weights, finish_fusion
 from dcp_compile.passes.sites import count_cache_views, count_mla_sites
 from dcp_compile.runtime.host_inputs import HostSlot
 from dcp_compile.runtime.parallel import ParallelState
@@ -96,10 +96,13 @@ class DCPBackend:
         log.info("dcp_compile graph %d: %s", len(self.reports) - 1, report.summary())
         feed = self.lowering.host_feed(gm, self.parallel.dcp_rank)
         if feed is None:
-            return _inner_compiler(self.config)(gm, example_inputs)
+            compiled = _inner_compiler(self.config)(gm, example_inputs)
+            finish_fusion(gm)
+            return compiled
         slot = self.host_slot
         slot.feed(feed)  # this step's values: the examples the inner compiler sees
         compiled = _inner_compiler(self.config)(gm, list(example_inputs) + feed.examples())
+        finish_fusion(gm)
 
         def run(*args):
             return compiled(*args, *slot.feed(feed))

@@ -10,8 +10,9 @@ bench/results/decode_gemms_h200.json), which is why serving engines load MLA's q
 MLP's gate/up as one weight. This pass does it for any model, at compile time.
 
 Memory: the fused weight is not a copy. The first graph that fuses a group concatenates the
-weights once and points each parameter at its rows of the result (`param.data` becomes a view),
-so the old storage is freed, and the model, its state_dict and an in-place weight update see the
+weights once and, when the inner compiler is done, points each parameter at its rows of the
+result (`param.data` becomes a view), so the old storage is freed (the weights are held twice
+only while that graph compiles), and the model, its state_dict and an in-place weight update see the
 same memory the fused matmul reads. A later graph finds the parameters already laid out so and
 fuses without copying. A group whose parameters a graph compiled earlier already read unfused
 is left alone, since a captured device graph may hold their old addresses.
@@ -42,6 +43,10 @@ log = logging.getLogger("dcp_compile")
 
 FUSABLE_WEIGHTS = "dcp_fusable_weights"
 """gm.meta key: {placeholder name: the nn.Parameter the graph receives there}."""
+PENDING_VIEWS = "dcp_fused_weight_views"
+"""gm.meta key: [(parameter, fused weight, first row)]: the parameters to point at their rows of
+a fused weight once the inner compiler is done (finish_fusion). Not before: inductor checks its
+example inputs against what dynamo traced, storage offsets included."""
 
 LINEARS = (torch._C._nn.linear, torch.nn.functional.linear, torch.ops.aten.linear.default)
 
@@ -118,18 +123,27 @@ def _packed_base(weights: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.empty(0, dtype=weights[0].dtype, device=weights[0].device).set_(storage, first, (rows, width), (width, 1))
 
 
-def pack(weights: list[torch.nn.Parameter]) -> torch.Tensor:
-    """One [sum rows, width] tensor holding `weights` in order; each parameter becomes a view of it."""
+def pack(gm: fx.GraphModule, weights: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One [sum rows, width] tensor holding `weights` in order: the buffer they already share, or
+    a new one they are pointed at by finish_fusion."""
     base = _packed_base(weights)
     if base is not None:
         return base
     with torch.no_grad():
         base = torch.cat([w.detach() for w in weights])
-        row = 0
-        for w in weights:
-            w.data = base[row : row + w.shape[0]]
-            row += w.shape[0]
+    row = 0
+    for w in weights:
+        gm.meta.setdefault(PENDING_VIEWS, []).append((w, base, row))
+        row += w.shape[0]
     return base
+
+
+def finish_fusion(gm: fx.GraphModule) -> None:
+    """Point each fused parameter at its rows of the fused weight, freeing its old storage: after
+    the inner compile, before the graph first runs."""
+    with torch.no_grad():
+        for weight, base, row in gm.meta.pop(PENDING_VIEWS, []):
+            weight.data = base[row : row + weight.shape[0]]
 
 
 class FuseProjections(GraphPass):
@@ -146,13 +160,13 @@ class FuseProjections(GraphPass):
                 log.info("fuse_projections: %s left unfused (an earlier graph reads its weights)",
                          [n.name for n in group.linears])
                 continue
-            base = pack(group.weights)
+            base = pack(gm, group.weights)
             name = f"dcp_fused_weight_{index}"
             gm.register_buffer(name, base, persistent=False)
             first = min(group.linears, key=_position(gm.graph))
             with gm.graph.inserting_before(first):
                 attr = gm.graph.get_attr(name)
-                attr.meta["val"] = mode.from_tensor(base, static_shapes=True) if mode is not None else base
+                attr.meta["val"] = _fake_like(base, mode)
                 out = call(gm.graph, first.target, group.input, attr)
                 sizes = [w.shape[0] for w in group.weights]
                 parts = call(gm.graph, torch.ops.aten.split_with_sizes.default, out, sizes, -1)
@@ -168,6 +182,14 @@ class FuseProjections(GraphPass):
                 gm.graph.erase_node(linear)
             fused += 1
         return fused
+
+
+def _fake_like(tensor: torch.Tensor, mode):
+    """A fake tensor of tensor's metadata, not tied to its storage (which the graph's inputs share)."""
+    if mode is None:
+        return tensor
+    with mode:
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
 
 
 def _position(graph: fx.Graph):
