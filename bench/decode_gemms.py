@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -23,6 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels import time_graph  # noqa: E402
 
 HIDDEN, Q_LORA, KV_A, HEADS, QK_HEAD, V_HEAD, MLP = 7168, 1536, 576, 64, 192, 128, 2048
 GEMMS = {  # name: (out features, in features) of one layer's weights, Kimi-K2 with 64 heads on one GPU
@@ -44,29 +45,8 @@ def parse_args(argv=None):
 
 
 def time_rotated(fn, inputs: list, replays: int) -> float:
-    """Median seconds of fn(*inputs[i]) over the rotation, replayed from one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for args in inputs[:2]:
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in inputs:
-            fn(*args)
-    graph.replay()
-    torch.cuda.synchronize()
-    seconds = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        seconds.append(start.elapsed_time(end) / 1e3 / len(inputs))
-    return statistics.median(seconds)
+    """Median seconds of fn(*inputs[i]), the rotation replayed from one CUDA graph."""
+    return time_graph(torch, lambda i: fn(*inputs[i]), len(inputs), replays)
 
 
 def main(argv=None) -> int:

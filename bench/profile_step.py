@@ -32,8 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import dcp_compile  # noqa: E402
-from dcp_step import host_metadata, shared_kv_allocate, stack_batch  # noqa: E402
-from decode import AttentionLayer, fill_random  # noqa: E402
+from dcp_step import shared_kv_allocate  # noqa: E402
 from dcp_compile.runtime import parallel  # noqa: E402
 from dcp_compile.runtime.kv_pool import MLAKVPool  # noqa: E402
 from dcp_compile.runtime.launch import init_from_env  # noqa: E402
@@ -161,27 +160,11 @@ def summarise(raw: dict, layers: int, top: int) -> dict:
 
 
 def attention_alone(args, cfg, device, tp, k: int, batch: int, context: int) -> dict:
-    layer = AttentionLayer(cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, step_bench.capacity(args),
-                           torch.bfloat16, device, tp, page_size=step_bench.page_size(1))
-    model = dcp_compile.apply(layer, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=args.lowering,
-                              inner_compile=args.inner)
-    fill_random(layer.kv_pool.cache(0))
-    step, slot = model.compiled("gather-q"), dcp_compile.state(model).host_slot
-    width = max(args.contexts)
-    table = stack_batch(batch, context, k, 1, device, width)
-    tokens = batch * k
-    gen = torch.Generator(device=device).manual_seed(tokens + context)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
-    inputs = (rand(tokens, cfg.num_heads, cfg.kv_lora_rank), rand(tokens, cfg.num_heads, cfg.qk_rope_head_dim),
-              rand(tokens, cfg.kv_lora_rank), rand(tokens, cfg.qk_rope_head_dim), table.out_loc, table.req_to_token,
-              table.seq_lens, table.q_seq_ids, table.positions)
-    slot.begin(host_metadata(batch, context, k, 1, width))
+    layer, model = step_bench.attention_layer(args, cfg, args.lowering, device, tp, args.inner)
     try:
-        return summarise(profile(lambda: step(*inputs), device, args.replays), 1, args.top)
+        return step_bench.run_attention_case(args, cfg, model, k, batch, context, device,
+                                             lambda fn: summarise(profile(fn, device, args.replays), 1, args.top))
     finally:
-        slot.end()
         del model, layer
 
 

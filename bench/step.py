@@ -146,29 +146,41 @@ def run_case(compiled, batch: int, context: int, k: int, width: int, device, fn)
         slot.end()
 
 
-def attention_layer_seconds(args, cfg, lowering: str, device, tp, timer) -> dict:
-    """One attention layer (KV write + attention over the context), per case, in a graph."""
+def attention_layer(args, cfg, lowering: str, device, tp, inner: str = "auto"):
+    """One attention layer (KV write + attention over the context) applied with `lowering`."""
     layer = AttentionLayer(cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, capacity(args), torch.bfloat16, device,
                            tp, page_size=page_size(1))
-    model = dcp_compile.apply(layer, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=lowering)
+    model = dcp_compile.apply(layer, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=lowering,
+                              inner_compile=inner)
     fill_random(layer.kv_pool.cache(0))
-    step, slot = model.compiled("gather-q"), dcp_compile.state(model).host_slot
-    width, out = max(args.contexts), {}
-    for k, batch, context in cases(args):
-        table = stack_batch(batch, context, k, 1, device, width)
-        tokens = batch * k
-        gen = torch.Generator(device=device).manual_seed(tokens + context)
+    return layer, model
 
-        def rand(*shape):
-            return torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
-        inputs = (rand(tokens, cfg.num_heads, cfg.kv_lora_rank), rand(tokens, cfg.num_heads, cfg.qk_rope_head_dim),
-                  rand(tokens, cfg.kv_lora_rank), rand(tokens, cfg.qk_rope_head_dim), table.out_loc, table.req_to_token,
-                  table.seq_lens, table.q_seq_ids, table.positions)
-        slot.begin(host_metadata(batch, context, k, 1, width))
-        try:
-            out[(k, batch, context)] = timer(lambda: step(*inputs))["seconds"]
-        finally:
-            slot.end()
+
+def run_attention_case(args, cfg, model, k: int, batch: int, context: int, device, fn):
+    """fn(step) for one case of the attention layer, with the case's host metadata set."""
+    step, slot = model.compiled("gather-q"), dcp_compile.state(model).host_slot
+    width = max(args.contexts)
+    table = stack_batch(batch, context, k, 1, device, width)
+    tokens = batch * k
+    gen = torch.Generator(device=device).manual_seed(tokens + context)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
+    inputs = (rand(tokens, cfg.num_heads, cfg.kv_lora_rank), rand(tokens, cfg.num_heads, cfg.qk_rope_head_dim),
+              rand(tokens, cfg.kv_lora_rank), rand(tokens, cfg.qk_rope_head_dim), table.out_loc, table.req_to_token,
+              table.seq_lens, table.q_seq_ids, table.positions)
+    slot.begin(host_metadata(batch, context, k, 1, width))
+    try:
+        return fn(lambda: step(*inputs))
+    finally:
+        slot.end()
+
+
+def attention_layer_seconds(args, cfg, lowering: str, device, tp, timer) -> dict:
+    """One attention layer, per case, in a graph."""
+    layer, model = attention_layer(args, cfg, lowering, device, tp)
+    out = {(k, batch, context): run_attention_case(args, cfg, model, k, batch, context, device, timer)["seconds"]
+           for k, batch, context in cases(args)}
     del model, layer
     return out
 

@@ -23,20 +23,25 @@ def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
     return (got.float() - expected.float()).abs().max().item() / expected.float().abs().max().item()
 
 
+def worst_step_difference(model, reference) -> float:
+    """The largest relative logits difference of `model` from `reference` over STEPS, with a padded row."""
+    tables, worst = [RequestTable(4, 2048, 8192, 16) for _ in range(2)], 0.0
+    for tokens in STEPS:
+        logits = []
+        for m, table in zip((model, reference), tables):
+            batch = table.extend_batch([0, 1, 2], tokens, pad_rows=1, all_logits=True)
+            logits.append(m(*batch.to("cuda").args(), host_metadata=batch.host))
+        assert torch.isfinite(logits[0]).all()
+        worst = max(worst, relative(*logits))
+    return worst
+
+
 @served
 @pytest.mark.parametrize("kernels", ["flashinfer", "triton"])
 def test_inductor_matches_eager_step_by_step(kernels):
     models = {inner: _model(kernels, inner_compile=inner) for inner in ("inductor", "eager")}
     assert dcp_compile.state(models["inductor"]).config.inner_compile == "inductor"
-    tables = {inner: RequestTable(4, 2048, 8192, 16) for inner in models}
-    worst = 0.0
-    for tokens in STEPS:
-        logits = {}
-        for inner, model in models.items():
-            batch = tables[inner].extend_batch([0, 1, 2], tokens, pad_rows=1, all_logits=True)
-            logits[inner] = model(*batch.to("cuda").args(), host_metadata=batch.host)
-        assert torch.isfinite(logits["inductor"]).all()
-        worst = max(worst, relative(logits["inductor"], logits["eager"]))
+    worst = worst_step_difference(models["inductor"], models["eager"])
     print(f"{kernels}: inductor vs eager, bf16: worst |diff| / max|logits| = {worst:.3g}")
     assert worst < 2e-2
 
@@ -72,14 +77,7 @@ def test_fused_projections_match_the_unfused_model_under_inductor():
     matmul each, against the same model with them apart."""
     models = {fuse: _model("flashinfer", inner_compile="inductor", fuse_projections=fuse) for fuse in ("auto", "off")}
     assert dcp_compile.state(models["auto"]).config.fuse_projections == "on"
-    tables = {fuse: RequestTable(4, 2048, 8192, 16) for fuse in models}
-    worst = 0.0
-    for tokens in STEPS:
-        logits = {}
-        for fuse, model in models.items():
-            batch = tables[fuse].extend_batch([0, 1, 2], tokens, pad_rows=1, all_logits=True)
-            logits[fuse] = model(*batch.to("cuda").args(), host_metadata=batch.host)
-        worst = max(worst, relative(logits["auto"], logits["off"]))
+    worst = worst_step_difference(models["auto"], models["off"])
     report = next(b.reports[-1] for b in dcp_compile.state(models["auto"]).backends.values() if b.reports)
     assert report.sites("fuse_projections") > 0
     print(f"fused vs unfused projections, bf16: worst |diff| / max|logits| = {worst:.3g}")
