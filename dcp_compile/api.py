@@ -140,7 +140,7 @@ class DCPModel(nn.Module):
                       if state.lowering.plans_on_host else None)
         element_bytes = torch.empty((), dtype=pool.dtype).element_size()
         self._model_facts = strategy.ModelFacts(getattr(model, "num_local_heads", None), pool.kv_lora_rank,
-                                                pool.rope_dim, element_bytes)
+                                                pool.rope_dim, element_bytes, strategy.REPLICATED_Q in state.backends)
         model._dcp_step_running = False
         model.register_forward_pre_hook(_refuse_direct_calls)
 
@@ -197,7 +197,7 @@ class DCPModel(nn.Module):
         if self._host is not None:
             host_metadata = self._host.for_step(self.model, args, kwargs, host_metadata)
         decision = self._decide(args, kwargs, host_metadata)
-        self._peers.check(args, kwargs, cost_model.STRATEGIES.index(decision.strategy))
+        self._peers.check(args, kwargs, strategy.STRATEGIES.index(decision.strategy))
         state.strategy_counts[decision.strategy] += 1
         state.last_decision = decision
         state.host_slot.begin(host_metadata)
@@ -271,21 +271,39 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
         raise RuntimeError(f"dcp_size {config.dcp_size} needs torch.distributed initialised with >= {config.dcp_size} ranks "
                            "(init_process_group on every rank, or dcp_compile.runtime.launch)")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    parallel.validate_sizes(current.tp_size, config.dcp_size, world)
+    replicated = _replicated_heads(current, config)
+    if not replicated:
+        parallel.validate_sizes(current.tp_size, config.dcp_size, world)
     lowering = registry.resolve(config.kernels, pool, config)
+    if replicated and (lowering.plans_on_host or lowering.kv_layout != "packed"):
+        raise ValueError(f"kernels={lowering.name!r}: replicated heads (tp_size 1 at dcp_size {config.dcp_size}) run on "
+                         "back ends that plan nothing on the host and keep the packed KV layout (torch, triton)")
     config = config.replace(kernels=lowering.name)
     config = config.resolved(lowering, pool)
     lowering.check(model, pool, config)
     if config.inner_compile == "torchair":
         require_torch_npu("inner_compile='torchair'")
     lowering.prepare(pool, config)
-    groups = parallel.build(current.tp_size, config.dcp_size)
+    groups = parallel.build_replicated(config.dcp_size) if replicated else parallel.build(current.tp_size, config.dcp_size)
     pool.reshard(groups.dcp_size, groups.dcp_rank, config.interleave, kv_keep)
     pool.use_layout(lowering.kv_layout)
     host_slot = HostSlot(groups.dcp_rank)
-    backends = {name: DCPBackend(config, groups, lowering, name, pool.page_size, host_slot, pool)
-                for name in lowering.strategies(config.dcp_size)}
+    names = (strategy.REPLICATED_Q,) if replicated else lowering.strategies(config.dcp_size)
+    backends = {name: DCPBackend(config, groups, lowering, name, pool.page_size, host_slot, pool) for name in names}
     return DCPModel(model, DCPState(config, lowering, groups, pool, backends, host_slot=host_slot))
+
+
+def _replicated_heads(current: parallel.ParallelState, config: DCPConfig) -> bool:
+    """Whether the model's heads are not split (tp_size 1) while its KV is (dcp_size > 1): the
+    DCP group is then a block of the world, and every step runs replicated-q."""
+    replicated = current.tp_size == 1 and config.dcp_size > 1
+    if replicated and config.attention_strategy not in ("auto", strategy.REPLICATED_Q):
+        raise ValueError(f"attention_strategy {config.attention_strategy!r}: at tp_size 1 every rank has every head, and "
+                         f"dcp_size {config.dcp_size} runs {strategy.REPLICATED_Q!r} (no Q to gather)")
+    if not replicated and config.attention_strategy == strategy.REPLICATED_Q and config.dcp_size > 1:
+        raise ValueError(f"attention_strategy {strategy.REPLICATED_Q!r} serves models whose heads are not split "
+                         f"(tp_size 1); this model's tp_size is {current.tp_size}: use 'auto', 'gather-q' or 'gather-kv'")
+    return replicated
 
 
 def state(compiled: nn.Module) -> DCPState:

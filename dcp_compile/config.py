@@ -50,7 +50,9 @@ class DCPConfig:
     off elsewhere. apply() records what it resolved here."""
 
     attention_strategy: str = "auto"
-    """'gather-q', 'gather-kv', or 'auto': the cost model picks per batch (dcp_compile.cost_model)."""
+    """'gather-q', 'gather-kv', or 'auto': the cost model picks per batch (dcp_compile.cost_model).
+    A model whose heads are not split (tp_size 1, dcp_size up to the world size) runs
+    'replicated-q' (passes/replicated_q_attention.py), which 'auto' resolves to there."""
 
     debug_checks: bool = False
     """Validate KV write locations and query positions before use (costs host syncs)."""
@@ -82,8 +84,9 @@ class DCPConfig:
             raise ValueError(f"fuse_projections must be one of {FUSE_PROJECTIONS}, got {self.fuse_projections!r}")
         if not isinstance(self.debug_checks, bool):
             raise ValueError(f"debug_checks must be True or False, got {self.debug_checks!r}")
-        if self.attention_strategy not in ("auto", "gather-q", "gather-kv"):
-            raise ValueError(f"attention_strategy must be 'auto', 'gather-q' or 'gather-kv', got {self.attention_strategy!r}")
+        if self.attention_strategy not in ("auto", "gather-q", "gather-kv", "replicated-q"):
+            raise ValueError("attention_strategy must be 'auto', 'gather-q', 'gather-kv' or 'replicated-q', got "
+                             f"{self.attention_strategy!r}")
         object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
 
     def resolved(self, lowering, pool) -> "DCPConfig":

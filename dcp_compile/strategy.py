@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from dcp_compile import cost_model
 from dcp_compile.config import DCPConfig
 from dcp_compile.lowering.base import Lowering
+from dcp_compile.passes.replicated_q_attention import STRATEGY as REPLICATED_Q
+
+STRATEGIES = cost_model.STRATEGIES + (REPLICATED_Q,)
+"""Every strategy a step may run: the cost model's two, and replicated-q for unsplit heads."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,8 @@ class ModelFacts:
     kv_lora_rank: int
     rope_dim: int
     element_bytes: int
+    replicated_heads: bool = False
+    """Every rank of the DCP group has every head (tp_size 1): the step runs replicated-q."""
 
 
 def decide(config: DCPConfig, lowering: Lowering, batch: BatchFacts | None, model: ModelFacts) -> cost_model.Decision:
@@ -49,6 +55,9 @@ def decide(config: DCPConfig, lowering: Lowering, batch: BatchFacts | None, mode
                                    f"kernels={lowering.name!r} does not serve over the pool")
     if dcp_size == 1:
         return cost_model.Decision("gather-q", True, {}, "dcp_size 1: attention is local")
+    if model.replicated_heads:
+        return cost_model.Decision(REPLICATED_Q, True, {}, "every rank has every head (tp_size 1): partial attention "
+                                   "over the local shard, one all-gather of (out, lse), the merge")
     if strategy != "auto":
         return cost_model.Decision(strategy, True, {}, f"forced {strategy}")
     if batch is None or model.heads is None:
