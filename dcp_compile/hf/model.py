@@ -41,9 +41,10 @@ from dcp_compile.runtime import parallel
 from dcp_compile.runtime.host_inputs import HostSlot
 from dcp_compile.runtime.kv_pool import MLAKVPool
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
-"""transformers model types whose attention the absorb pass knows (Kimi-K2 and Moonlight load as
-deepseek_v3)."""
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "sarvam_mla")
+"""transformers model types whose attention the absorb pass knows: DeepSeek-V3 (Kimi-K2 and
+Moonlight load as it) and V2, and the families whose attention is DeepSeek's MLA block
+(GLM-4-MoE-Lite, MiniCPM3, Youtu, Sarvam-MLA); each is tested against transformers (tests/hf)."""
 
 
 def cache_kwarg(model: nn.Module) -> str:

@@ -8,6 +8,7 @@ to 1e-5. Module-level, so that spawned ranks can import them.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 
@@ -29,27 +30,36 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 """YaRN with both mscales: the softmax scale carries mscale_all_dim, the rope its attention factor."""
 
 
-def config(family: str = "v3", **overrides):
-    """A tiny transformers config of `family` ('v3': DeepseekV3Config, 'v2': DeepseekV2Config)."""
-    from transformers import DeepseekV2Config, DeepseekV3Config
+FAMILIES = {"v3": "deepseek_v3", "v2": "deepseek_v2", "glm4-moe-lite": "glm4_moe_lite", "minicpm3": "minicpm3",
+            "youtu": "youtu", "sarvam-mla": "sarvam_mla"}
+"""Test family name: transformers model type. The last four reuse DeepSeek's MLA block."""
 
-    fields = dict(TINY, **overrides)
-    if family == "v3":
+
+def _classes(family: str):
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = FAMILIES[family]
+    return (getattr(transformers, CONFIG_MAPPING_NAMES[model_type]),
+            getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]))
+
+
+def config(family: str = "v3", **overrides):
+    """A tiny transformers config of `family` (FAMILIES): TINY's fields that its config takes."""
+    config_class, _ = _classes(family)
+    accepted = set(inspect.signature(config_class.__init__).parameters)
+    fields = {k: v for k, v in dict(TINY, **overrides).items() if k in accepted or k == "attn_implementation"}
+    if "n_group" in accepted:
         fields.setdefault("n_group", 1)
         fields.setdefault("topk_group", 1)
-        return DeepseekV3Config(**fields)
-    if family == "v2":
-        return DeepseekV2Config(**fields)
-    raise ValueError(f"unknown family {family!r}")
+    return config_class(**fields)
 
 
 def tiny_model(seed: int = 0, family: str = "v3", **overrides):
     """A tiny transformers model of `family`, seeded: every rank builds the same weights."""
-    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-
     torch.manual_seed(seed)
-    model_class = DeepseekV3ForCausalLM if family == "v3" else DeepseekV2ForCausalLM
-    return model_class(config(family, **overrides)).eval()
+    return _classes(family)[1](config(family, **overrides)).eval()
 
 
 def prompt(seed: int = 1, vocab: int = 64) -> torch.Tensor:

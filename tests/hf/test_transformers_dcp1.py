@@ -29,6 +29,10 @@ CASES = {
     "v3-qlora-rotate-half-yarn": {"q_lora_rank": 12, "rope_interleave": False, "rope_parameters": YARN},
     "v2-eager-yarn": {"family": "v2", "attn_implementation": "eager", "rope_parameters": YARN},
     "v2-sdpa-qlora": {"family": "v2", "q_lora_rank": 12},
+    "glm4-moe-lite": {"family": "glm4-moe-lite"},
+    "minicpm3-eager": {"family": "minicpm3", "attn_implementation": "eager"},
+    "youtu": {"family": "youtu"},
+    "sarvam-mla": {"family": "sarvam-mla"},
 }
 
 

@@ -1,5 +1,5 @@
-"""dcp_compile.apply(DeepseekV3ForCausalLM or DeepseekV2ForCausalLM, dcp_size=2) on 2 gloo ranks: generate() returns
-the untouched model's greedy tokens, each rank stores half of the KV, and the negative controls
+"""dcp_compile.apply(DeepseekV3ForCausalLM, DeepseekV2ForCausalLM or a family built on DeepSeek's MLA block,
+dcp_size=2) on 2 gloo ranks: generate() returns the untouched model's greedy tokens, each rank stores half of the KV, and the negative controls
 (a perturbed softmax scale, the sharded KV write disabled) fail the same comparison; and V3 at
 dcp_size=4 on 4 ranks."""
 
@@ -18,6 +18,10 @@ MATCHING = {
     "v3-sdpa": {},
     "v3-qlora-rotate-half-yarn": {"overrides": {"q_lora_rank": 12, "rope_interleave": False, "rope_parameters": YARN}},
     "v2-eager-yarn": {"overrides": {"family": "v2", "attn_implementation": "eager", "rope_parameters": YARN}},
+    "glm4-moe-lite": {"overrides": {"family": "glm4-moe-lite"}},
+    "minicpm3": {"overrides": {"family": "minicpm3"}},
+    "youtu-eager": {"overrides": {"family": "youtu", "attn_implementation": "eager"}},
+    "sarvam-mla": {"overrides": {"family": "sarvam-mla"}},
 }
 CONTROLS = {"scale+10%": {"scale_factor": 1.1}, "unsharded-write": {"apply": {"disabled_passes": ("shard_kv_write",)}}}
 
