@@ -35,6 +35,13 @@ FAMILIES = {"v3": "deepseek_v3", "v2": "deepseek_v2", "glm4-moe-lite": "glm4_moe
 """Test family name: transformers model type. The last four reuse DeepSeek's MLA block."""
 
 
+def available(family: str) -> bool:
+    """Whether the installed transformers has `family` (Sarvam-MLA came after 5.17)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return FAMILIES[family] in CONFIG_MAPPING_NAMES
+
+
 def _classes(family: str):
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
