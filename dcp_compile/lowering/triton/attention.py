@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_compile.lowering.triton.attention_tiling import AttentionTiling, choose_tiling
+from dcp_compile.lowering.triton.attention_tiling import MAX_BLOCK_H, AttentionTiling, choose_tiling
 from dcp_compile.lowering.triton.launching import (
     block_size,
     cache_parts,
@@ -38,6 +38,8 @@ from dcp_compile.lowering.triton.launching import (
 )
 
 _LN2 = math.log(2.0)
+MERGE_BLOCK_H = 8
+"""Heads one work item of the split merge takes: [8, R] fp32 partials, a few registers a thread."""
 
 
 @triton.jit
@@ -137,47 +139,53 @@ def _attend_splits_kernel(
                      split_lse, mask=head_mask)
 
 
-@triton.jit(do_not_specialize=["tokens", "width", "num_splits"])
+@triton.jit(do_not_specialize=["tokens", "heads", "width", "num_splits", "head_tiles"])
 def _merge_splits_kernel(
     split_out_ptr, split_lse_ptr, seq_lens_ptr, q_seq_ids_ptr, out_ptr, lse_ptr,
-    tokens, heads, width, num_splits,
+    tokens, heads, width, num_splits, head_tiles,
     stride_split_out_token, stride_split_out_split, stride_split_out_head,
     stride_split_lse_token, stride_split_lse_split,
     stride_seq_lens, stride_q_seq_ids,
     stride_out_token, stride_out_head, stride_out_col,
     stride_lse_token, stride_lse_head,
-    RANK_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    RANK_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    # One work item merges a tile of BLOCK_H heads of one token: the heads of a token share its
+    # request's splits, so the loop over splits serves them all.
     cols = tl.arange(0, BLOCK_R)
     col_mask = cols < RANK_DIM
-    for work in range(tl.program_id(0), tokens * heads, tl.num_programs(0)):
-        head = work % heads
-        token = tl.cast(work // heads, tl.int64)
+    for work in range(tl.program_id(0), tokens * head_tiles, tl.num_programs(0)):
+        heads_in_tile = (work % head_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_mask = heads_in_tile < heads
+        token = tl.cast(work // head_tiles, tl.int64)
         request = tl.load(q_seq_ids_ptr + token * stride_q_seq_ids).to(tl.int64)
         seq_len = tl.load(seq_lens_ptr + request * stride_seq_lens).to(tl.int32)
         length, keys_per_split = _keys_per_split(seq_len, width, num_splits, BLOCK_N)
         # Stage 1 wrote only the splits that hold keys; the others are never read.
         active_splits = tl.where(keys_per_split > 0, tl.cdiv(length, tl.maximum(keys_per_split, 1)), 0)
-        max_lse = tl.full([], float("-inf"), tl.float32)
-        total = tl.zeros([], tl.float32)
-        acc = tl.zeros([BLOCK_R], tl.float32)
+        max_lse = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         for split in range(0, active_splits):
-            split_lse = tl.load(split_lse_ptr + token * stride_split_lse_token + split * stride_split_lse_split + head)
+            split_lse = tl.load(split_lse_ptr + token * stride_split_lse_token + split * stride_split_lse_split
+                                + heads_in_tile, mask=head_mask, other=float("-inf"))
             split_out = tl.load(split_out_ptr + token * stride_split_out_token + split * stride_split_out_split
-                                + head * stride_split_out_head + cols, mask=col_mask, other=0.0)
+                                + heads_in_tile[:, None] * stride_split_out_head + cols[None, :],
+                                mask=head_mask[:, None] & col_mask[None, :], other=0.0)
             new_max = tl.maximum(max_lse, split_lse)
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
             rescale = tl.exp(max_lse - shift)
             weight = tl.exp(split_lse - shift)
-            acc = acc * rescale + weight * split_out
+            acc = acc * rescale[:, None] + weight[:, None] * split_out
             total = total * rescale + weight
             max_lse = new_max
         seen = total > 0
-        out = tl.where(seen, acc / tl.where(seen, total, 1.0), 0.0)
+        out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
         lse = tl.where(seen, max_lse + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-        tl.store(out_ptr + token * stride_out_token + head * stride_out_head + cols * stride_out_col,
-                 out.to(out_ptr.dtype.element_ty), mask=col_mask)
-        tl.store(lse_ptr + token * stride_lse_token + head * stride_lse_head, lse)
+        tl.store(out_ptr + token * stride_out_token + heads_in_tile[:, None] * stride_out_head
+                 + cols[None, :] * stride_out_col, out.to(out_ptr.dtype.element_ty),
+                 mask=head_mask[:, None] & col_mask[None, :])
+        tl.store(lse_ptr + token * stride_lse_token + heads_in_tile * stride_lse_head, lse, mask=head_mask)
 
 
 def split_workspace(tokens: int, num_splits: int, heads: int, rank_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,15 +265,19 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
         DOT_PRECISION="ieee" if dot_in_fp32 else None, LN2=_LN2,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
-    _merge_splits_kernel[grid_for(tokens * heads)](
+    # Under the interpreter a work item costs Python per op, not registers: one takes every head.
+    most_heads = MAX_BLOCK_H if is_interpreted(_merge_splits_kernel) else MERGE_BLOCK_H
+    merge_heads = min(most_heads, triton.next_power_of_2(heads))
+    merge_tiles = triton.cdiv(heads, merge_heads)
+    _merge_splits_kernel[grid_for(tokens * merge_tiles)](
         split_out, split_lse, seq_lens, q_seq_ids, out, lse,
-        tokens, heads, width, tiling.num_splits,
+        tokens, heads, width, tiling.num_splits, merge_tiles,
         split_out.stride(0), split_out.stride(1), split_out.stride(2),
         split_lse.stride(0), split_lse.stride(1),
         seq_lens.stride(0), q_seq_ids.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        RANK_DIM=rank_dim, BLOCK_R=block_size(rank_dim), BLOCK_N=tiling.block_n,
+        RANK_DIM=rank_dim, BLOCK_R=block_size(rank_dim), BLOCK_N=tiling.block_n, BLOCK_H=merge_heads,
         num_warps=4,
     )
 
