@@ -57,7 +57,7 @@ def decide(config: DCPConfig, lowering: Lowering, batch: BatchFacts | None, mode
         return cost_model.Decision("gather-q", True, {}, "dcp_size 1: attention is local")
     if model.replicated_heads:
         return cost_model.Decision(REPLICATED_Q, True, {}, "every rank has every head (tp_size 1): partial attention "
-                                   "over the local shard, one all-gather of (out, lse), the merge")
+                                   "over the local shard, its (out, lse) exchanged, the merge")
     if strategy != "auto":
         return cost_model.Decision(strategy, True, {}, f"forced {strategy}")
     if batch is None or model.heads is None:

@@ -10,8 +10,8 @@ What apply does here:
   host-side checks of the call, then the model's own forward compiled (fullgraph) with the DCP
   backend, whose first pass is the absorb pass (dcp_compile/hf/absorb.py), then the DCP passes;
 - attention stays replicated (transformers' DeepSeek-V3 TP plan does not split it): every rank
-  of the DCP group runs the same tokens with every head, attends over its own shard, and one
-  all-gather of (out, LSE) per layer with the LSE merge gives every rank the whole attention
+  of the DCP group runs the same tokens with every head, attends over its own shard, and the
+  exchange of (out, LSE) with the LSE merge gives every rank the whole attention
   (passes/replicated_q_attention.py).
 
 What the step refuses, before any graph runs: a transformers cache (it would hold the whole KV

@@ -79,5 +79,10 @@ def test_dcp4_matches_transformers():
         assert result["max_logit_diff"] < 1e-5
         assert result["capacity_ratio"] >= 3.9
         assert result["pass_summary"]["replicated_q_attention"] == LAYERS * result["graphs"]
+        for ops in result["graph_ops"]:  # at N = 4 the partials are exchanged, then the merged heads gathered
+            after = ops["after"]
+            assert after.get("_c10d_functional::all_to_all_single") == LAYERS
+            assert after.get("_c10d_functional::all_gather_into_tensor") == LAYERS
+            assert after.get("dcp::merge_partials") == LAYERS
     stored = [result["tokens_stored"] for result in per_rank]
     assert sum(stored) == per_rank[0]["tokens_total"] and max(stored) - min(stored) <= 2
