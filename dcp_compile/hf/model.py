@@ -54,6 +54,8 @@ def cache_kwarg(model: nn.Module) -> str:
 
 
 def _check_model(model: nn.Module, config: DCPConfig) -> None:
+    from torch.distributed.tensor import DTensor
+
     text = model.config.get_text_config(decoder=True)
     model_type = getattr(text, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -62,6 +64,10 @@ def _check_model(model: nn.Module, config: DCPConfig) -> None:
     if not hasattr(model, "generate"):
         raise ValueError(f"{type(model).__name__} has no generate(): apply takes the causal-LM model "
                          "(e.g. DeepseekV3ForCausalLM)")
+    if (getattr(model, "tp_size", None) or 1) > 1 or any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(f"{type(model).__name__} was loaded with transformers' tensor parallelism (a TP plan, "
+                         "DistributedConfig): a plan that splits attention heads across ranks (DeepSeek-V2's does) is not "
+                         "served; the front end runs every head on every rank (replicated-q). Load it without a TP plan")
     if config.dcp_size > 1:
         if text._attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"attn_implementation {text._attn_implementation!r}: under DCP the absorb pass rewrites "

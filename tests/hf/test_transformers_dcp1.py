@@ -172,3 +172,16 @@ def test_refused_before_any_step():
     with pytest.raises(ValueError, match="max_length"):
         model(input_ids, **{cache_kwarg(original): model.new_cache(2, 4)})
     assert dcp_compile.state(model).reports == []  # nothing was compiled
+
+
+def test_a_model_loaded_with_tensor_parallelism_is_refused():
+    """transformers' TP plan would split the heads (V2's does); the front end runs them replicated.
+    (Loading with a plan needs accelerate, which this project does not depend on: the degree that
+    transformers records is set by hand here.)"""
+    model = tiny_model(family="v2")
+    if isinstance(getattr(type(model), "tp_size", None), property):
+        model._tp_size = 2
+    else:
+        model.tp_size = 2
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        dcp_compile.apply(model, dcp_size=1)
