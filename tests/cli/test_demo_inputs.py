@@ -38,6 +38,7 @@ from dcp_compile.harness.scenario import Driver, Scenario, compare
     (["--kernels", "npu", "--block-size", "7"],
      "--block-size 7 does not suit kernels='npu': FIA's block size must be 16 or 128 (docs/ascend.md §4.5)"),
     (["--kernels", "npu", "--block-size", "2048"], "--block-size 2048 does not suit kernels='npu': FIA's block size must be 16 or 128"),
+    (["--kernels", "npu", "--block-size", "48"], "--block-size 48 does not suit kernels='npu': FIA's block size must be 16 or 128"),
     (["--kernels", "npu", "--block-size", "64"], "--block-size 64 does not suit kernels='npu': FIA's block size must be "
                                                  "16 or 128 (docs/ascend.md §4.5); page size 128 over dcp_size 2 with "
                                                  "interleave 1 gives 64; a CANN built from ops-transformer of 2026 or "

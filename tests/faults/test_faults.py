@@ -135,6 +135,49 @@ def test_a_peer_stalled_inside_the_models_collectives_fails_within_the_timeout(d
     assert time.time() - start < TIMEOUT_S + MARGIN_S
 
 
+def _stall_in_the_tp_all_reduce_at_dcp_two(rank, world, done_path):
+    """At DCP 2 and TP 2, rank 1 fails its step after the step's DCP collectives (its LSE merge
+    raises) and stays up; rank 0 goes on to the TP group's all-reduce of the output projection and
+    waits there. A first step on both ranks compiles, so that neither waits for the other's
+    compile inside the failing step."""
+    from dcp_compile.ops import internal
+
+    model = dcp_compile.apply(ContractModel(tp_size=2), 2)
+    table = RequestTable(2, 32, 512)
+    model(*step_args(table.extend_batch([0, 1], [[1, 2, 3], [4]])))
+    batch = table.extend_batch([0, 1], [[5], [6]])
+    if rank == 1:
+        def injected(packed, kv_lora_rank):
+            raise RuntimeError("injected failure in the LSE merge")
+
+        internal.merge_partials.register_kernel("cpu")(injected)
+        with pytest.raises(RuntimeError, match="injected"):
+            model(*step_args(batch))
+        deadline = time.time() + 120
+        while not os.path.exists(done_path) and time.time() < deadline:
+            time.sleep(0.1)
+        return None
+    start = time.time()
+    try:
+        model(*step_args(batch))
+        outcome = ("ok", "")
+    except Exception as exc:  # the TP group's timeout, asserted by the test
+        outcome = (type(exc).__name__, str(exc).splitlines()[0])
+    elapsed = time.time() - start
+    open(done_path, "w").close()
+    return outcome, elapsed
+
+
+def test_a_peer_stalled_inside_the_tp_all_reduce_at_dcp_two_fails_within_the_timeout(tmp_path):
+    """The TP group's collective at DCP 2, TP 2 (the DCP group's collectives of the step completed)."""
+    start = time.time()
+    (outcome, elapsed), _ = spawn(_stall_in_the_tp_all_reduce_at_dcp_two, 2, str(tmp_path / "done"),
+                                  timeout=COMPILING_TIMEOUT_S)
+    assert outcome[0] in ("DistBackendError", "RuntimeError") and "timed out" in outcome[1].lower(), outcome
+    assert elapsed < COMPILING_TIMEOUT_S + 10
+    assert time.time() - start < 2 * COMPILING_TIMEOUT_S + MARGIN_S
+
+
 def test_every_group_takes_the_world_groups_timeout():
     assert spawn(_group_timeouts, 2, timeout=7.0) == [[7.0, 7.0, 2.5]] * 2
 
