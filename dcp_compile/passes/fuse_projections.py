@@ -65,7 +65,8 @@ def bind_weights(gm: fx.GraphModule, example_inputs) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     bound = {}
     for node, value in zip(placeholders, example_inputs):
-        if isinstance(value, torch.nn.Parameter) and value.dim() == 2:
+        # Plain parameters only: a tensor subclass (DTensor, a quantized weight) keeps its own layout.
+        if isinstance(value, torch.nn.Parameter) and type(value.data) is torch.Tensor and value.dim() == 2:
             bound[node.name] = (value, _seen(value))
     gm.meta[FUSABLE_WEIGHTS] = bound
     for value, _ in bound.values():
