@@ -275,9 +275,8 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     if not replicated:
         parallel.validate_sizes(current.tp_size, config.dcp_size, world)
     lowering = registry.resolve(config.kernels, pool, config)
-    if replicated and (lowering.plans_on_host or lowering.kv_layout != "packed"):
-        raise ValueError(f"kernels={lowering.name!r}: replicated heads (tp_size 1 at dcp_size {config.dcp_size}) run on "
-                         "back ends that plan nothing on the host and keep the packed KV layout (torch, triton)")
+    if replicated:
+        strategy.require_replicated_back_end(lowering, f"a model with unsplit heads (tp_size 1) at dcp_size {config.dcp_size}")
     config = config.replace(kernels=lowering.name)
     config = config.resolved(lowering, pool)
     lowering.check(model, pool, config)

@@ -95,14 +95,14 @@ class DCPBackend:
         self.reports.append(report)
         log.info("dcp_compile graph %d: %s", len(self.reports) - 1, report.summary())
         feed = self.lowering.host_feed(gm, self.parallel.dcp_rank)
+        if feed is not None:
+            self.host_slot.feed(feed)  # this step's values: the examples the inner compiler sees
+            example_inputs = list(example_inputs) + feed.examples()
+        compiled = _inner_compiler(self.config)(gm, example_inputs)
+        finish_fusion(gm)
         if feed is None:
-            compiled = _inner_compiler(self.config)(gm, example_inputs)
-            finish_fusion(gm)
             return compiled
         slot = self.host_slot
-        slot.feed(feed)  # this step's values: the examples the inner compiler sees
-        compiled = _inner_compiler(self.config)(gm, list(example_inputs) + feed.examples())
-        finish_fusion(gm)
 
         def run(*args):
             return compiled(*args, *slot.feed(feed))

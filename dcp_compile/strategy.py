@@ -14,6 +14,14 @@ STRATEGIES = cost_model.STRATEGIES + (REPLICATED_Q,)
 """Every strategy a step may run: the cost model's two, and replicated-q for unsplit heads."""
 
 
+def require_replicated_back_end(lowering: Lowering, who: str) -> None:
+    """replicated-q lowers through back ends that plan nothing on the host and keep the packed KV
+    layout; `who` names what runs it, for the error."""
+    if lowering.plans_on_host or lowering.kv_layout != "packed":
+        raise ValueError(f"kernels={lowering.name!r}: {who} runs {REPLICATED_Q!r}, which only back ends that plan "
+                         "nothing on the host and keep the packed KV layout serve (torch, triton)")
+
+
 @dataclass(frozen=True)
 class BatchFacts:
     """What the decision reads of a batch."""

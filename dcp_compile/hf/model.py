@@ -36,7 +36,7 @@ from dcp_compile.hf.cache import DCPCache
 from dcp_compile.lowering import registry
 from dcp_compile.passes.cache_use import CacheMisuseError
 from dcp_compile.passes.graph_utils import RewriteError
-from dcp_compile.passes.replicated_q_attention import STRATEGY as REPLICATED_Q
+from dcp_compile.strategy import REPLICATED_Q, require_replicated_back_end
 from dcp_compile.runtime import parallel
 from dcp_compile.runtime.host_inputs import HostSlot
 from dcp_compile.runtime.kv_pool import MLAKVPool
@@ -97,9 +97,7 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
     pool = MLAKVPool(text.num_hidden_layers, capacity, text.kv_lora_rank, text.qk_rope_head_dim, model.dtype,
                      model.device)
     lowering = registry.resolve(config.kernels, pool, config)
-    if lowering.plans_on_host or lowering.kv_layout != "packed":
-        raise ValueError(f"kernels={lowering.name!r}: the transformers front end serves back ends that plan nothing "
-                         "on the host and keep the packed KV layout (torch, triton)")
+    require_replicated_back_end(lowering, "the transformers front end")
     config = config.replace(kernels=lowering.name)
     config = config.resolved(lowering, pool)
     lowering.check(model, pool, config)

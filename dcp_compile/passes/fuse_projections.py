@@ -164,7 +164,7 @@ class FuseProjections(GraphPass):
             base = pack(gm, group.weights)
             name = f"dcp_fused_weight_{index}"
             gm.register_buffer(name, base, persistent=False)
-            first = min(group.linears, key=_position(gm.graph))
+            first = group.linears[0]  # found in graph order
             with gm.graph.inserting_before(first):
                 attr = gm.graph.get_attr(name)
                 attr.meta["val"] = _fake_like(base, mode)
@@ -191,8 +191,3 @@ def _fake_like(tensor: torch.Tensor, mode):
         return tensor
     with mode:
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
-
-
-def _position(graph: fx.Graph):
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    return order.__getitem__

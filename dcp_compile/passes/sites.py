@@ -6,7 +6,6 @@ Only `dcp::` ops are matched, never attention internals.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Callable
 
 import torch.fx as fx

@@ -101,6 +101,27 @@ def test_after_a_caught_error_the_next_step_is_an_error_on_every_rank(bad_ranks)
     assert time.time() - start < 2 * COMPILING_TIMEOUT_S + MARGIN_S
 
 
+def _hold_until(done_path: str) -> None:
+    """A failed rank that stays up, as a server that logs and goes on would, until its peer is done
+    (at most 120 s: the old 30-minute subgroup timeout would hold it that long)."""
+    deadline = time.time() + 120
+    while not os.path.exists(done_path) and time.time() < deadline:
+        time.sleep(0.1)
+
+
+def _timed_step(model, batch, done_path: str):
+    """The step's outcome (the error's type and first line) and how long it took; then releases the peer."""
+    start = time.time()
+    try:
+        model(*step_args(batch))
+        outcome = ("ok", "")
+    except Exception as exc:  # the collective's timeout, asserted by the tests
+        outcome = (type(exc).__name__, str(exc).splitlines()[0])
+    elapsed = time.time() - start
+    open(done_path, "w").close()
+    return outcome, elapsed
+
+
 def _stall_in_forward(rank, world, dcp_size, done_path):
     """Rank 1 fails its step before the step's first collective and stays up, logging, as a
     server would; rank 0 is left inside that collective: the TP all-reduce at dcp_size 1, the
@@ -111,19 +132,8 @@ def _stall_in_forward(rank, world, dcp_size, done_path):
         batch.out_loc[0] = -1
         with pytest.raises(IndexError):
             model(*step_args(batch))
-        deadline = time.time() + 120  # the old 30-minute subgroup timeout: held until rank 0 is done
-        while not os.path.exists(done_path) and time.time() < deadline:
-            time.sleep(0.1)
-        return None
-    start = time.time()
-    try:
-        model(*step_args(batch))
-        outcome = ("ok", "")
-    except Exception as exc:  # the collective's timeout, asserted by the test
-        outcome = (type(exc).__name__, str(exc).splitlines()[0])
-    elapsed = time.time() - start
-    open(done_path, "w").close()
-    return outcome, elapsed
+        return _hold_until(done_path)
+    return _timed_step(model, batch, done_path)
 
 
 @pytest.mark.parametrize("dcp_size", [1, 2], ids=["tp-group-all-reduce", "dcp-group-all-gather"])
@@ -153,19 +163,8 @@ def _stall_in_the_tp_all_reduce_at_dcp_two(rank, world, done_path):
         internal.merge_partials.register_kernel("cpu")(injected)
         with pytest.raises(RuntimeError, match="injected"):
             model(*step_args(batch))
-        deadline = time.time() + 120
-        while not os.path.exists(done_path) and time.time() < deadline:
-            time.sleep(0.1)
-        return None
-    start = time.time()
-    try:
-        model(*step_args(batch))
-        outcome = ("ok", "")
-    except Exception as exc:  # the TP group's timeout, asserted by the test
-        outcome = (type(exc).__name__, str(exc).splitlines()[0])
-    elapsed = time.time() - start
-    open(done_path, "w").close()
-    return outcome, elapsed
+        return _hold_until(done_path)
+    return _timed_step(model, batch, done_path)
 
 
 def test_a_peer_stalled_inside_the_tp_all_reduce_at_dcp_two_fails_within_the_timeout(tmp_path):
