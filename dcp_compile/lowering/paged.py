@@ -84,6 +84,9 @@ class HostPlaceholders:
     def prefix_lens(self) -> list[fx.Node]:
         return self._ints("local_prefix_len", [0] * self.rows)
 
+    def query_lens(self) -> list[fx.Node]:
+        return self._ints("query_len", [self.tokens // self.rows] * self.rows)
+
     def cumulative_query_lens(self) -> list[fx.Node]:
         # Example values: the tokens spread evenly over the rows (a kernel's fake checks them).
         return self._ints("cumulative_query_len", [(b + 1) * self.tokens // self.rows for b in range(self.rows)])
@@ -112,8 +115,9 @@ def is_decode(site: PoolAttention) -> bool:
 
 PrefixKernel = Callable[[fx.Graph, PoolAttention, fx.Node, fx.Node, bool], tuple[fx.Node, fx.Node]]
 """(graph, site, q_latent, q_rope, decode) -> (out, lse) over the row's keys before its first
-query (every local key in decode): out in q's dtype, fp32 natural-log lse, -inf where a row sees
-no key. q_rope has q_latent's dtype."""
+query (every local key in decode; where the lowering does not split, each query's keys at or
+before its position): out in q's dtype, fp32 natural-log lse, -inf where a row sees no key.
+q_rope has q_latent's dtype."""
 
 
 def site_key_positions(graph: fx.Graph, site: PoolAttention) -> fx.Node:
@@ -166,7 +170,9 @@ class PagedAttentionPass(GraphPass):
     def block_size(self, config: PassConfig) -> int:
         raise NotImplementedError
 
-    def split(self, config: PassConfig) -> bool:
+    def split(self, config: PassConfig, site: PoolAttention) -> bool:
+        """Whether verify rows of this site take the split (prefix kernel + window attention); where
+        not, `kernel` attends over every key of a row, causally, itself."""
         return True
 
     def kernel(self, graph: fx.Graph, site: PoolAttention, q_latent: fx.Node, q_rope: fx.Node, decode: bool,
@@ -195,5 +201,5 @@ class PagedAttentionPass(GraphPass):
                 return self.kernel(graph, site, q_latent, q_rope, decode, host, table, block_size)
 
             for site in found:
-                lower_pool_attention(graph, site, kernel, self.split(config), self.reader)
+                lower_pool_attention(graph, site, kernel, self.split(config, site), self.reader)
         return len(found) + self.finish(gm, config)

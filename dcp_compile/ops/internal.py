@@ -35,6 +35,15 @@ window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table,
 prefix_key_counts(local_lens, key_positions, q_seq_ids, q_positions, whole_rows) -> [T]
     The keys a paged prefix kernel attends over for each query token (its row's local keys, or
     those before the row's first query): a lowering masks the tokens whose count is 0.
+rank_causal_mask(key_positions [B, L], local_lens [B], q_positions [T], width) -> (mask [B, 1, S, width] bool,
+                 visible [T])
+    Each query's keys on this rank at or before its position, as a rank-local causal mask over
+    the row's local keys in position order (True = masked: FIA's), for rows of S = T / B queries;
+    visible counts them. Ascend's masked verify (docs/ascend.md §15.3).
+nz_kv_blocks(kv_cache [rows, R + P], R, block) -> (latent [blocks, 1, R/16, block, 16], rope [.., P/16, ..])
+    The NZ views FIA reads of a layer's cache. The nz KV layout's parts are these views
+    themselves (lowering/kv_layout.SplitKVCache points the op's users there); of a packed cache,
+    NZ copies.
 split_partials(packed [N, T, H, R + w], R) -> (outs [N, T*H, R], lses [N, T*H] fp32)
     The exchanged partials as npu_attention_update's inputs, with the all-empty-row guard.
 check_host_metadata(block_table, req_to_token, seq_lens, q_seq_ids, q_positions, r, N, I, block_size,
@@ -48,7 +57,7 @@ import torch
 from torch.library import custom_op
 
 from dcp_compile.lowering.torch import reference
-from dcp_compile.runtime import devices
+from dcp_compile.runtime import devices, nz
 
 
 @custom_op("dcp::sharded_kv_write", mutates_args=("kv_cache", "rope_cache"))
@@ -167,7 +176,7 @@ def gather_local_rows(kv_cache: torch.Tensor, local_req_to_token: torch.Tensor, 
 @gather_local_rows.register_fake
 def _(kv_cache, local_req_to_token, local_seq_lens, rope_cache=None):
     batch, width = local_req_to_token.shape
-    row_dim = kv_cache.shape[-1] + (0 if rope_cache is None else rope_cache.shape[-1])
+    row_dim = nz.width_of(kv_cache) + (0 if rope_cache is None else nz.width_of(rope_cache))
     return kv_cache.new_empty((batch, width, row_dim))
 
 
@@ -239,6 +248,33 @@ def prefix_key_counts(local_lens: torch.Tensor, key_positions: torch.Tensor | No
 @prefix_key_counts.register_fake
 def _(local_lens, key_positions, q_seq_ids, q_positions, whole_rows):
     return local_lens.new_empty(q_seq_ids.shape)
+
+
+@custom_op("dcp::rank_causal_mask", mutates_args=())
+def rank_causal_mask(key_positions: torch.Tensor, local_lens: torch.Tensor, q_positions: torch.Tensor,
+                     width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.rank_causal_mask(key_positions, local_lens, q_positions, width)
+
+
+@rank_causal_mask.register_fake
+def _(key_positions, local_lens, q_positions, width):
+    rows, tokens = local_lens.shape[0], q_positions.shape[0]
+    if rows == 0 or tokens % rows:
+        raise ValueError(f"rank_causal_mask serves rows of equal query counts: {tokens} tokens over {rows} rows")
+    return (q_positions.new_empty((rows, 1, tokens // rows, width), dtype=torch.bool),
+            q_positions.new_empty((tokens,), dtype=torch.int64))
+
+
+@custom_op("dcp::nz_kv_blocks", mutates_args=())
+def nz_kv_blocks(kv_cache: torch.Tensor, kv_lora_rank: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (nz.from_rows(kv_cache[:, :kv_lora_rank], block), nz.from_rows(kv_cache[:, kv_lora_rank:], block))
+
+
+@nz_kv_blocks.register_fake
+def _(kv_cache, kv_lora_rank, block):
+    rows, row_dim = kv_cache.shape
+    return (kv_cache.new_empty(nz.shape(rows, kv_lora_rank, block)),
+            kv_cache.new_empty(nz.shape(rows, row_dim - kv_lora_rank, block)))
 
 
 @custom_op("dcp::split_partials", mutates_args=())

@@ -25,5 +25,7 @@ GATHER_LOCAL_ROWS = dcp.gather_local_rows.default
 GATHERED_KV_METADATA = dcp.gathered_kv_metadata.default
 WINDOW_ATTENTION = dcp.window_attention.default
 SPLIT_PARTIALS = dcp.split_partials.default
+RANK_CAUSAL_MASK = dcp.rank_causal_mask.default
+NZ_KV_BLOCKS = dcp.nz_kv_blocks.default
 PREFIX_KEY_COUNTS = dcp.prefix_key_counts.default
 CACHE_VIEW = dcp.mla_cache_view.default

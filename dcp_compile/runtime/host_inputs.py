@@ -30,7 +30,7 @@ from dcp_compile.runtime.host_metadata import HostMetadata, RankHostMetadata
 HOST_INPUT = "dcp_host_input"
 """Placeholder meta key: the HostInput a host-fed placeholder takes."""
 
-LENGTH_KINDS = ("local_len", "local_prefix_len", "cumulative_query_len")
+LENGTH_KINDS = ("local_len", "local_prefix_len", "cumulative_query_len", "query_len")
 """Host-list kinds every feed serves (one int per batch row each)."""
 
 
@@ -53,7 +53,7 @@ def host_placeholders(graph: fx.Graph) -> list[fx.Node]:
 
 def _lengths(host: RankHostMetadata) -> dict[str, tuple[int, ...]]:
     return {"local_len": tuple(host.local_seq_lens), "local_prefix_len": tuple(host.local_prefix_lens),
-            "cumulative_query_len": tuple(host.cumulative_query_lens)}
+            "cumulative_query_len": tuple(host.cumulative_query_lens), "query_len": tuple(host.query_lens)}
 
 
 class HostFeed:

@@ -7,13 +7,15 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from dcp_compile.runtime import layout
+from dcp_compile.runtime import layout, nz
 
 SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-KV_LAYOUTS = ("packed", "split")
+KV_LAYOUTS = ("packed", "split", "nz")
 """packed: one [rows, R + P] tensor per layer. split: latent [rows, R] and rope [rows, P], two
 contiguous tensors per layer, as a kernel that takes them as two inputs needs them (Ascend's fused
-attention, docs/ascend.md §11.1). A kernel back end chooses (Lowering.kv_layout)."""
+attention, docs/ascend.md §11.1). nz: the split layout's two parts in the NZ layout over the
+local blocks of the pages, [blocks, 1, D/16, block, 16] each (runtime/nz.py; Ascend's FIA with an
+NZ cache, docs/ascend.md §11.4). A kernel back end chooses (Lowering.kv_layout)."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,8 @@ class MLAKVPool(nn.Module):
                 cache = torch.zeros(rows, self.row_dim, dtype=self.dtype, device=self.device)
             else:
                 for name, width in ((f"layer_{i}_latent", self.kv_lora_rank), (f"layer_{i}_rope", self.rope_dim)):
-                    self.register_buffer(name, torch.zeros(rows, width, dtype=self.dtype, device=self.device),
-                                         persistent=False)
+                    part = (rows, width) if self.layout == "split" else nz.shape(rows, width, self.nz_block())
+                    self.register_buffer(name, torch.zeros(part, dtype=self.dtype, device=self.device), persistent=False)
                 cache = torch.zeros(1, 1, dtype=self.dtype, device=self.device).expand(rows, self.row_dim)
             self.register_buffer(f"layer_{i}", cache, persistent=False)
 
@@ -104,6 +106,10 @@ class MLAKVPool(nn.Module):
         self.layout = layout
         self._allocate(self.rows_per_rank)
 
+    def nz_block(self) -> int:
+        """The NZ layout's block: the rows of this rank's share of a page (its local block)."""
+        return layout.require_local_block_size(self.page_size, self.dcp_size, self.interleave, "the NZ KV layout")
+
     def cache(self, layer: int) -> torch.Tensor:
         """The [rows, R + P] tensor the model passes to the canonical ops (in the split layout, one
         without memory: see the class docstring)."""
@@ -111,15 +117,20 @@ class MLAKVPool(nn.Module):
 
     def parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's latent rows [rows, R] and rope rows [rows, P]: views of the packed cache, or
-        the split layout's two tensors."""
+        the split layout's two tensors (in the nz layout, [blocks, 1, D/16, block, 16] each)."""
         if self.layout == "packed":
             cache = self.cache(layer)
             return cache[:, :self.kv_lora_rank], cache[:, self.kv_lora_rank:]
         return getattr(self, f"layer_{layer}_latent"), getattr(self, f"layer_{layer}_rope")
 
     def rows(self, layer: int) -> torch.Tensor:
-        """A layer's [rows, R + P] contents, in either layout (a copy in the split one), to inspect."""
-        return self.cache(layer) if self.layout == "packed" else torch.cat(self.parts(layer), dim=-1)
+        """A layer's [rows, R + P] contents, in any layout (a copy in the split and nz ones), to inspect."""
+        if self.layout == "packed":
+            return self.cache(layer)
+        latent, rope = self.parts(layer)
+        if self.layout == "nz":
+            latent, rope = nz.to_rows(latent), nz.to_rows(rope)
+        return torch.cat([latent, rope], dim=-1)
 
     def storage(self) -> list[torch.Tensor]:
         """Every tensor that holds the pool's KV (what a captured graph reads and writes)."""

@@ -54,7 +54,7 @@ class LowerFlashInferAttention(paged.PagedAttentionPass):
     def block_size(self, config: PassConfig) -> int:
         return flashinfer_block_size(config.page_size, config.dcp_size, config.interleave)
 
-    def split(self, config: PassConfig) -> bool:
+    def split(self, config: PassConfig, site) -> bool:
         return config.dcp_size > 1  # at dcp_size 1 FlashInfer's own causal mask is exact
 
     def kernel(self, graph, site, q_latent, q_rope, decode, host, block_table, block_size):

@@ -15,6 +15,11 @@ Ops (their facts and sources: docs/ascend.md):
   DCP decode uses is implemented (query_rope/key_rope, paged latent cache, §3-§6); documented
   inputs outside it raise ValueError, documented inputs that the stand-in does not implement raise
   NotImplementedError.
+- `npu_fused_infer_attention_score_v2` (FIA v2): the schema of §1.3, the same MLA path under v2's
+  argument names, with the layouts BSND_NBSD and TND_NTD as well (output [N, B, S, D] and
+  [N, T, D]; the LSE keeps the input layout, §15.2).
+- Both take the paged latent and rope caches ND or NZ ([blocks, 1, D/16, 128, 16], §11.4; not with
+  BNSD layouts, block size 128 only).
 - `npu_attention_update`: the LSE merge of §8.
 
 Kernel behaviours that callers rely on and that the stand-ins reproduce:
@@ -35,6 +40,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -65,6 +71,24 @@ FIA_OUT_SCHEMA = (
     "Tensor(a!) attention_out, Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))"
 )
 FIA_WORKSPACE_SCHEMA = f"_npu_fused_infer_attention_score_get_max_workspace({_FIA_ARGUMENTS}) -> Tensor"
+_FIA_V2_ARGUMENTS = (
+    "Tensor query, Tensor key, Tensor value, *, Tensor? query_rope=None, Tensor? key_rope=None, "
+    "Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_qlen=None, "
+    "SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, Tensor? dequant_scale_query=None, "
+    "Tensor? dequant_scale_key=None, Tensor? dequant_offset_key=None, Tensor? dequant_scale_value=None, "
+    "Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, Tensor? quant_scale_out=None, "
+    "Tensor? quant_offset_out=None, Tensor? quant_scale_p=None, Tensor? learnable_sink=None, "
+    "int num_query_heads=1, int num_key_value_heads=0, float softmax_scale=1.0, "
+    "int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout=\"BSH\", int sparse_mode=0, "
+    "int block_size=0, int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, "
+    "int inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, int? key_dtype=None, "
+    "int? value_dtype=None, int? query_rope_dtype=None, int? key_rope_dtype=None, "
+    "int? key_shared_prefix_dtype=None, int? value_shared_prefix_dtype=None, "
+    "int? dequant_scale_query_dtype=None, int? dequant_scale_key_dtype=None, "
+    "int? dequant_scale_value_dtype=None, int? dequant_scale_key_rope_dtype=None, int? out_dtype=None"
+)
+# FIA v2, the yaml line of torch_npu 2.14.0 (docs/ascend.md §1.3).
+FIA_V2_SCHEMA = f"npu_fused_infer_attention_score_v2({_FIA_V2_ARGUMENTS}) -> (Tensor, Tensor)"
 ATTENTION_UPDATE_SCHEMA = (
     "npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type) -> (Tensor, Tensor)"
 )
@@ -115,6 +139,7 @@ def _define_ops() -> torch.library.Library:
         FIA_SCHEMA: (_fia_kernel, _fia_fake),
         FIA_OUT_SCHEMA: (_fia_out_kernel, _fia_out_fake),
         FIA_WORKSPACE_SCHEMA: (_fia_workspace, _fia_workspace),
+        FIA_V2_SCHEMA: (_fia_v2_kernel, _fia_v2_fake),
         ATTENTION_UPDATE_SCHEMA: (_attention_update_kernel, _attention_update_fake),
     }
     for schema, (kernel, fake_kernel) in kernels.items():
@@ -136,7 +161,10 @@ MLA_QUERY_HEAD_DIMS = (MLA_LATENT_DIM, 128)
 MLA_HEAD_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
 MLA_MAX_QUERIES_PER_REQUEST = 16
 MLA_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_NBSD", "BSND_NBSD", "BSH_NBSD", "TND", "TND_NTD")
-IMPLEMENTED_LAYOUTS = ("BSND", "BNSD", "TND")
+IMPLEMENTED_LAYOUTS = ("BSND", "BNSD", "TND", "BSND_NBSD", "TND_NTD")
+NZ_FORBIDDEN_LAYOUTS = ("BNSD", "BNSD_NBSD")  # docs/ascend.md §11.4
+NZ_BLOCK_SIZE = 128  # docs/ascend.md §11.4: "16 or 128, not 16 with NZ"
+NZ_GROUP = 16
 MLA_SPARSE_MODES = (0, 3, 4)
 MAX_BLOCK_SIZE = 1024
 BLOCK_SIZE_ALIGNMENT = 16
@@ -197,6 +225,32 @@ class FiaPlan:
     softmax_lse_shape: tuple[int, ...]
 
 
+V2_RENAMES = {"actual_seq_qlen": "actual_seq_lengths", "actual_seq_kvlen": "actual_seq_lengths_kv",
+              "num_query_heads": "num_heads", "softmax_scale": "scale", "return_softmax_lse": "softmax_lse_flag"}
+"""FIA v2 argument -> the v1 name FiaArgs keeps it under (docs/ascend.md §1.3)."""
+_V2_MLA_UNSUPPORTED = (
+    "pse_shift", "dequant_scale_query", "dequant_scale_key", "dequant_offset_key", "dequant_scale_value",
+    "dequant_offset_value", "dequant_scale_key_rope", "quant_scale_out", "quant_offset_out", "quant_scale_p",
+    "learnable_sink", "query_dtype", "key_dtype", "value_dtype", "query_rope_dtype", "key_rope_dtype",
+    "key_shared_prefix_dtype", "value_shared_prefix_dtype", "dequant_scale_query_dtype", "dequant_scale_key_dtype",
+    "dequant_scale_value_dtype", "dequant_scale_key_rope_dtype", "out_dtype",
+)
+_V2_QUANT_MODES = ("query_quant_mode", "key_quant_mode", "value_quant_mode")
+
+
+def bind_fia_v2_args(query, key, value, keyword_args: dict) -> FiaArgs:
+    """FIA v2's arguments as FiaArgs: the renamed ones under their v1 names, the rest refused as
+    MLA without quantisation refuses them."""
+    given = [name for name in _V2_MLA_UNSUPPORTED if keyword_args.get(name) is not None]
+    given += [name for name in _V2_QUANT_MODES if keyword_args.get(name, 0) != 0]
+    if given:
+        raise ValueError(f"{', '.join(given)} given, but the MLA FIA stand-in takes no pse, sink, quantisation or "
+                         "dtype overrides")
+    kept = {V2_RENAMES.get(name, name): argument for name, argument in keyword_args.items()
+            if V2_RENAMES.get(name, name) in _FIA_ARG_NAMES}
+    return FiaArgs(query, key, value, **kept)
+
+
 def bind_fia_args(query, key, value, keyword_args: dict) -> FiaArgs:
     given_unsupported = [
         name for name in _MLA_UNSUPPORTED_ARGUMENTS if keyword_args.get(name) is not None
@@ -228,7 +282,7 @@ def validate_fia(args: FiaArgs) -> FiaPlan:
     return FiaPlan(
         query_counts=query_counts,
         kv_lens=kv_lens,
-        attention_out_shape=(*args.query.shape[:-1], args.value.shape[-1]),
+        attention_out_shape=_attention_out_shape(args),
         softmax_lse_shape=_softmax_lse_shape(args),
     )
 
@@ -266,11 +320,39 @@ def _check_mla_head_dims(args: FiaArgs) -> None:
     if head_dim not in MLA_QUERY_HEAD_DIMS:
         raise ValueError(f"query head dim is {head_dim}; MLA allows {MLA_QUERY_HEAD_DIMS}")
     for name in ("query_rope", "key_rope"):
-        rope_dim = getattr(args, name).shape[-1]
+        rope_dim = _cache_width(getattr(args, name)) if name == "key_rope" else args.query_rope.shape[-1]
         if rope_dim != MLA_ROPE_DIM:
             raise ValueError(f"{name} last dim is {rope_dim}; MLA requires {MLA_ROPE_DIM}")
     if args.num_key_value_heads != 1:
         raise ValueError(f"num_key_value_heads is {args.num_key_value_heads}; MLA requires 1")
+
+
+def input_half(layout: str) -> str:
+    """The query's layout of an input_layout ("BSND" of "BSND_NBSD"); the output's is the other half."""
+    return layout.split("_")[0]
+
+
+def output_half(layout: str) -> str:
+    return layout.split("_")[-1]
+
+
+def _attention_out_shape(args: FiaArgs) -> tuple[int, ...]:
+    """§2.1: the query's shape with the value's D, laid out as the output half says (NBSD: [N, B, S, D];
+    NTD: [N, T, D])."""
+    value_dim = _cache_width(args.value)
+    shape = (*args.query.shape[:-1], value_dim)
+    out = output_half(args.input_layout)
+    if out == "NBSD":
+        batch, query_len, heads = (shape[axis] for axis in _BATCH_QUERY_HEAD_AXES[input_half(args.input_layout)])
+        return (heads, batch, query_len, value_dim)
+    if out == "NTD":
+        return (shape[1], shape[0], value_dim)
+    return shape
+
+
+def _cache_width(cache: torch.Tensor) -> int:
+    """D of a paged cache view: [.., D], or NZ's [blocks, KV_N, D/16, block_size, 16]."""
+    return cache.shape[2] * cache.shape[4] if cache.dim() == 5 else cache.shape[-1]
 
 
 def _check_layout(args: FiaArgs) -> None:
@@ -282,7 +364,7 @@ def _check_layout(args: FiaArgs) -> None:
         raise NotImplementedError(
             f"input_layout {layout!r} is valid for MLA but the stand-in implements {IMPLEMENTED_LAYOUTS}"
         )
-    expected_rank = 3 if layout == "TND" else 4
+    expected_rank = 3 if input_half(layout) == "TND" else 4
     if args.query.dim() != expected_rank:
         raise ValueError(
             f"query must be {expected_rank}-D for input_layout {layout!r}, "
@@ -300,6 +382,7 @@ _BATCH_QUERY_HEAD_AXES = {"BSND": (0, 1, 2), "BNSD": (0, 2, 1)}
 
 
 def _head_axis(layout: str) -> int:
+    layout = input_half(layout)
     return 1 if layout == "TND" else _BATCH_QUERY_HEAD_AXES[layout][2]
 
 
@@ -316,10 +399,10 @@ def _check_num_heads(args: FiaArgs) -> None:
 
 def _query_counts(args: FiaArgs) -> list[int]:
     """Queries per request: the S dim for BSND/BNSD, differences of the cumulative list for TND."""
-    if args.input_layout == "TND":
+    if input_half(args.input_layout) == "TND":
         counts = _tnd_query_counts(args.actual_seq_lengths, total_tokens=args.query.shape[0])
     else:
-        batch_axis, query_axis, _ = _BATCH_QUERY_HEAD_AXES[args.input_layout]
+        batch_axis, query_axis, _ = _BATCH_QUERY_HEAD_AXES[input_half(args.input_layout)]
         batch, query_len = args.query.shape[batch_axis], args.query.shape[query_axis]
         counts = [query_len] * batch
         _check_no_query_padding(args.actual_seq_lengths, query_len, batch)
@@ -394,6 +477,14 @@ def _check_paged_cache(args: FiaArgs, batch: int) -> None:
     head_dim = args.query.shape[-1]
     _check_cache_view("key", args.key, block_size, head_dim)
     _check_cache_view("key_rope", args.key_rope, block_size, MLA_ROPE_DIM)
+    if (args.key.dim() == 5) != (args.key_rope.dim() == 5):
+        raise ValueError("key and key_rope must share one format (both ND or both NZ): key_rope takes key's format")
+    if args.key.dim() == 5:
+        if args.input_layout in NZ_FORBIDDEN_LAYOUTS:
+            raise ValueError(f"input_layout {args.input_layout!r} is not allowed with an NZ KV cache; NZ excludes "
+                             f"{NZ_FORBIDDEN_LAYOUTS}")
+        if block_size != NZ_BLOCK_SIZE:
+            raise ValueError(f"block_size is {block_size}; an NZ KV cache takes {NZ_BLOCK_SIZE} only")
     if args.value.shape != args.key.shape:
         raise ValueError(
             f"value shape {tuple(args.value.shape)} differs from key shape {tuple(args.key.shape)}; "
@@ -406,15 +497,17 @@ def _check_paged_cache(args: FiaArgs, batch: int) -> None:
 
 
 def _check_cache_view(name: str, cache: torch.Tensor, block_size: int, head_dim: int) -> None:
-    # §11.3: [num_blocks, block_size, D] or [num_blocks, KV_N=1, block_size, D].
+    # §11.3: [num_blocks, block_size, D] or [num_blocks, KV_N=1, block_size, D]; §11.4: NZ
+    # [num_blocks, KV_N=1, D/16, block_size, 16].
     shape = tuple(cache.shape)
     valid = (cache.dim() == 3 and shape[1:] == (block_size, head_dim)) or (
         cache.dim() == 4 and shape[1:] == (1, block_size, head_dim)
-    )
+    ) or (cache.dim() == 5 and head_dim % NZ_GROUP == 0 and shape[1:] == (1, head_dim // NZ_GROUP, block_size, NZ_GROUP))
     if not valid:
         raise ValueError(
-            f"{name} shape {shape} must be [num_blocks, {block_size}, {head_dim}] or "
-            f"[num_blocks, 1, {block_size}, {head_dim}] (block_size {block_size})"
+            f"{name} shape {shape} must be [num_blocks, {block_size}, {head_dim}], "
+            f"[num_blocks, 1, {block_size}, {head_dim}] or NZ [num_blocks, 1, {head_dim // NZ_GROUP}, {block_size}, "
+            f"{NZ_GROUP}] (block_size {block_size})"
         )
 
 
@@ -458,7 +551,7 @@ def _check_compressed_causal_mask(mask: torch.Tensor | None) -> None:
 
 
 def _check_full_mask(args: FiaArgs, query_counts: list[int], kv_lens: list[int]) -> None:
-    if args.input_layout == "TND":
+    if input_half(args.input_layout) == "TND":
         raise NotImplementedError("an atten_mask with input_layout TND is not implemented by the stand-in")
     shape = tuple(args.atten_mask.shape)
     batch, query_len = len(query_counts), query_counts[0] if query_counts else 0
@@ -486,10 +579,12 @@ def _softmax_lse_shape(args: FiaArgs) -> tuple[int, ...]:
     # §2.2: (B, N, S, 1) or (T, N, 1) with the flag; the meta kernel's [0] without it.
     if not args.softmax_lse_flag:
         return (0,)
+    # The LSE keeps the input half's layout whatever the output's (docs/ascend.md §15.2).
     query_shape = tuple(args.query.shape)
-    if args.input_layout == "TND":
+    layout = input_half(args.input_layout)
+    if layout == "TND":
         return (*query_shape[:2], 1)
-    batch, query_len, heads = (query_shape[axis] for axis in _BATCH_QUERY_HEAD_AXES[args.input_layout])
+    batch, query_len, heads = (query_shape[axis] for axis in _BATCH_QUERY_HEAD_AXES[layout])
     return (batch, heads, query_len, 1)
 
 
@@ -537,6 +632,31 @@ def _fia_fake(query, key, value, **keyword_args):
     )
 
 
+def _fia_v2_kernel(query, key, value, **keyword_args):
+    args = bind_fia_v2_args(query, key, value, keyword_args)
+    plan = validate_fia(args)
+    for name in AUTO_CONTIGUOUS:
+        tensor = getattr(args, name)
+        if tensor is not None and not tensor.is_contiguous():
+            contiguous_copies.append((name, tensor.numel() * tensor.element_size()))
+    return _compute_fia(args, plan)
+
+
+def _fia_v2_fake(query, key, value, **keyword_args):
+    plan = validate_fia(_hinted(bind_fia_v2_args(query, key, value, keyword_args)))
+    return (
+        query.new_empty(plan.attention_out_shape),
+        query.new_empty(plan.softmax_lse_shape, dtype=torch.float32),
+    )
+
+
+def _hinted(args: FiaArgs) -> FiaArgs:
+    """_with_hints on bound arguments."""
+    hinted = {name: [v.node.hint if isinstance(v, torch.SymInt) else v for v in getattr(args, name)]
+              for name in _HOST_LIST_ARGUMENTS if getattr(args, name) is not None}
+    return dataclasses.replace(args, **hinted)
+
+
 def _fia_out_kernel(query, key, value, *, attention_out, softmax_lse, workspace=None, **keyword_args):
     args = bind_fia_args(query, key, value, keyword_args)
     plan = validate_fia(args)
@@ -581,7 +701,7 @@ def _fia_workspace(query, key, value, **keyword_args):
 
 
 def _compute_fia(args: FiaArgs, plan: FiaPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    layout = args.input_layout
+    layout = input_half(args.input_layout)
     query = _token_major(args.query, layout).float()
     query_rope = _token_major(args.query_rope, layout).float()
     latent_cache, rope_cache, value_cache = (
@@ -607,7 +727,7 @@ def _compute_fia(args: FiaArgs, plan: FiaPlan) -> tuple[torch.Tensor, torch.Tens
             args.scale,
         )
     _plant_empty_requests(out, lse, plan)
-    attention_out = _from_token_major(out, layout, args.query.shape)
+    attention_out = _from_token_major(out, args.input_layout, args.query.shape)
     return attention_out.to(args.query.dtype), _lse_output(lse, plan, args)
 
 
@@ -632,7 +752,13 @@ def _token_major(tensor: torch.Tensor, layout: str) -> torch.Tensor:
     return tensor.reshape(-1, *tensor.shape[-2:])
 
 
-def _from_token_major(tensor: torch.Tensor, layout: str, query_shape) -> torch.Tensor:
+def _from_token_major(tensor: torch.Tensor, input_layout: str, query_shape) -> torch.Tensor:
+    layout, out = input_half(input_layout), output_half(input_layout)
+    if out == "NTD":
+        return tensor.transpose(0, 1).contiguous()
+    if out == "NBSD":
+        batch, query_len, heads = (query_shape[axis] for axis in _BATCH_QUERY_HEAD_AXES[layout])
+        return tensor.reshape(batch, query_len, heads, tensor.shape[-1]).permute(2, 0, 1, 3).contiguous()
     if layout == "TND":
         return tensor
     if layout == "BSND":
@@ -644,14 +770,17 @@ def _from_token_major(tensor: torch.Tensor, layout: str, query_shape) -> torch.T
 def _lse_output(lse: torch.Tensor, plan: FiaPlan, args: FiaArgs) -> torch.Tensor:
     if not args.softmax_lse_flag:
         return lse.new_empty(plan.softmax_lse_shape)
-    if args.input_layout == "TND":
+    if input_half(args.input_layout) == "TND":
         return lse.unsqueeze(-1)
     batch, heads, query_len, _ = plan.softmax_lse_shape
     return lse.reshape(batch, query_len, heads).transpose(1, 2).unsqueeze(-1).contiguous()
 
 
 def _flat_blocks(cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks * block_size, D] from either paged view."""
+    """[num_blocks * block_size, D] from any paged view: NZ's channel d of slot s of block b is at
+    [b, 0, d // 16, s, d % 16] (docs/ascend.md §11.4)."""
+    if cache.dim() == 5:
+        return cache.permute(0, 1, 3, 2, 4).reshape(-1, _cache_width(cache))
     return cache.reshape(-1, cache.shape[-1])
 
 

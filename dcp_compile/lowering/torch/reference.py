@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_compile.runtime import guards, layout
+from dcp_compile.runtime import guards, layout, nz
 
 
 def check_write_locations(loc: torch.Tensor, num_rows: int, dcp_size: int, interleave: int) -> None:
@@ -79,9 +79,10 @@ def _raise_bad_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity: int, 
 
 def cache_rows(kv_cache, rope_cache, index):
     """Rows [..., R + P] of the cache at `index`: of the packed kv_cache [rows, R + P], or of the
-    split layout's latent kv_cache [rows, R] and rope_cache [rows, P] (docs/ascend.md §11.1)."""
-    rows = kv_cache[index]
-    return rows if rope_cache is None else torch.cat([rows, rope_cache[index]], dim=-1)
+    split layout's latent kv_cache [rows, R] and rope_cache [rows, P] (docs/ascend.md §11.1), each
+    [rows, D] or NZ (runtime/nz.py)."""
+    rows = nz.read_rows(kv_cache, index)
+    return rows if rope_cache is None else torch.cat([rows, nz.read_rows(rope_cache, index)], dim=-1)
 
 
 def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, interleave: int = 1,
@@ -92,14 +93,14 @@ def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, 
     Every rank checks every location, not only those it owns: a location outside the pool (-1
     would otherwise wrap to the last row) fails the step on all ranks of the group at the same
     point, so none goes on to a collective the others never reach."""
-    check_write_locations(loc, kv_cache.shape[0], dcp_size, interleave)
+    check_write_locations(loc, nz.rows_of(kv_cache), dcp_size, interleave)
     keep = (loc != layout.PADDING_LOC) & (layout.owner(loc, dcp_size, interleave) == dcp_rank)
     rows = layout.local_row(loc[keep], dcp_size, interleave)
     if rope_cache is None:
         kv_cache[rows] = torch.cat([latent[keep], rope[keep]], dim=-1).to(kv_cache.dtype)
     else:
-        kv_cache[rows] = latent[keep].to(kv_cache.dtype)
-        rope_cache[rows] = rope[keep].to(rope_cache.dtype)
+        nz.write_rows(kv_cache, rows, latent[keep].to(kv_cache.dtype))
+        nz.write_rows(rope_cache, rows, rope[keep].to(rope_cache.dtype))
 
 
 def local_metadata(req_to_token, seq_lens, dcp_rank: int, dcp_size: int, interleave: int):
@@ -315,6 +316,24 @@ def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_ta
     out = torch.einsum("thw,twr->thr", probs, keys[..., :rank_dim])
     merged, merged_lse = merge_lse(torch.stack([out_prefix.float(), out]), torch.stack([lse_prefix.float(), lse]))
     return merged.to(q_latent.dtype), merged_lse
+
+
+def rank_causal_mask(key_positions, local_lens, q_positions, width: int):
+    """(mask [B, 1, S, width] bool, True = masked; visible [T]): query t of row b = t // S sees the
+    row's first visible[t] local keys (those at or before its position; the local keys are in
+    position order), and no column past them, so a row is at least one column wide whatever its
+    lengths. Tokens are grouped by row, S = T / B each."""
+    rows, tokens = local_lens.shape[0], q_positions.shape[0]
+    if rows == 0 or tokens % rows:
+        raise ValueError(f"rank_causal_mask serves rows of equal query counts: {tokens} tokens over {rows} rows")
+    per_row = tokens // rows
+    columns = key_positions.shape[1]
+    stored = torch.arange(columns, device=key_positions.device)[None, :] < local_lens[:, None].long()
+    positions = torch.where(stored, key_positions.long(), torch.iinfo(torch.int64).max)
+    visible = torch.searchsorted(positions, q_positions.long().reshape(rows, per_row), right=True)
+    key_index = torch.arange(width, device=key_positions.device)
+    mask = key_index[None, None, :] >= visible[:, :, None]
+    return mask.unsqueeze(1), visible.reshape(tokens)
 
 
 def split_partials(packed, kv_lora_rank: int):

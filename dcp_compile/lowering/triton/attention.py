@@ -209,6 +209,8 @@ def _check_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, key_position
     tokens, _, rank_dim = q_latent.shape
     rope_dim = q_rope.shape[2]
     parts = cache_parts(kv_cache, rope_cache, rank_dim, rope_dim)
+    if parts[0].dim() != 2:
+        raise ValueError("the Triton partial attention reads [rows, D] cache parts, not the NZ layout (FIA reads that)")
     if page_table.dim() != 2 or key_positions.shape != page_table.shape or seq_lens.shape != page_table.shape[:1]:
         raise ValueError(f"page_table and key_positions must be [B, L] and seq_lens [B]; got {tuple(page_table.shape)}, "
                          f"{tuple(key_positions.shape)}, {tuple(seq_lens.shape)}")

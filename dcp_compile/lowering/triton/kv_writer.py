@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_compile.lowering.triton.launching import (block_size, cache_parts, check_float, check_index, check_same_device,
-                                                   grid_for)
-from dcp_compile.runtime import guards, layout
+from dcp_compile.lowering.triton.launching import (block_size, cache_offsets, cache_parts, check_float, check_index,
+                                                   check_same_device, grid_for, row_addressing)
+from dcp_compile.runtime import guards, layout, nz
 
 
 def location_error_flag(device: torch.device) -> torch.Tensor:
@@ -35,7 +35,7 @@ def _kv_write_kernel(
     stride_rope_token, stride_rope_col,
     stride_loc,
     RANK_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, NZ_BLOCK: tl.constexpr,
 ):
     latent_cols = tl.arange(0, BLOCK_R)
     rope_cols = tl.arange(0, BLOCK_P)
@@ -57,16 +57,19 @@ def _kv_write_kernel(
                              mask=latent_mask).to(tl.float32)
             rope = tl.load(rope_ptr + token_index * stride_rope_token + rope_cols * stride_rope_col,
                            mask=rope_mask).to(tl.float32)
-            tl.store(latent_cache_ptr + row * stride_latent_cache_row + latent_cols * stride_latent_cache_col,
+            tl.store(latent_cache_ptr + cache_offsets(row, latent_cols, stride_latent_cache_row,
+                                                      stride_latent_cache_col, NZ_BLOCK),
                      latent.to(latent_cache_ptr.dtype.element_ty), mask=latent_mask)
-            tl.store(rope_cache_ptr + row * stride_rope_cache_row + rope_cols * stride_rope_cache_col,
+            tl.store(rope_cache_ptr + cache_offsets(row, rope_cols, stride_rope_cache_row, stride_rope_cache_col,
+                                                    NZ_BLOCK),
                      rope.to(rope_cache_ptr.dtype.element_ty), mask=rope_mask)
 
 
 def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, interleave: int = 1,
              rope_cache=None) -> None:
     """Write [latent | rope] for each token whose location this rank owns; skip location 0. With
-    rope_cache (the split layout), latent goes to kv_cache [rows, R] and rope to rope_cache."""
+    rope_cache (the split layout), latent goes to kv_cache [rows, R] and rope to rope_cache
+    (either of them NZ: runtime/nz.py)."""
     layout.validate(dcp_size, dcp_rank, interleave)
     check_float("latent", latent)
     check_float("rope", rope)
@@ -82,14 +85,16 @@ def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, 
         )
     if tokens == 0:
         return
+    latent_row, latent_col, nz_block = row_addressing(latent_cache)
+    rope_row, rope_col, _ = row_addressing(rope_part)
     _kv_write_kernel[grid_for(tokens)](
         latent_cache, rope_part, latent, rope, loc, location_error_flag(kv_cache.device),
-        tokens, dcp_rank, dcp_size, interleave, layout.logical_capacity(kv_cache.shape[0], dcp_size, interleave),
-        latent_cache.stride(0), latent_cache.stride(1),
-        rope_part.stride(0), rope_part.stride(1),
+        tokens, dcp_rank, dcp_size, interleave, layout.logical_capacity(nz.rows_of(kv_cache), dcp_size, interleave),
+        latent_row, latent_col,
+        rope_row, rope_col,
         latent.stride(0), latent.stride(1),
         rope.stride(0), rope.stride(1),
         loc.stride(0),
         RANK_DIM=rank_dim, ROPE_DIM=rope_dim,
-        BLOCK_R=block_size(rank_dim), BLOCK_P=block_size(rope_dim),
+        BLOCK_R=block_size(rank_dim), BLOCK_P=block_size(rope_dim), NZ_BLOCK=nz_block,
     )

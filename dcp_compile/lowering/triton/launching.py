@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dcp_compile.runtime import nz
+
 MAX_PROGRAMS = 65535
 SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_INDEX_DTYPES = (torch.int32, torch.int64)
@@ -66,9 +68,9 @@ def is_interpreted(kernel) -> bool:
 
 def cache_parts(kv_cache: torch.Tensor, rope_cache: torch.Tensor | None, rank_dim: int, rope_dim: int):
     """(latent rows [rows, R], rope rows [rows, P]) of a KV cache: views of the packed
-    kv_cache [rows, R + P], or the split layout's kv_cache [rows, R] and rope_cache [rows, P].
-    Kernels address the two parts through their own pointers and strides, so one kernel serves
-    both layouts."""
+    kv_cache [rows, R + P], or the split layout's kv_cache [rows, R] and rope_cache [rows, P],
+    each of those two also possibly NZ (runtime/nz.py). Kernels address the two parts through
+    their own pointers and `row_addressing`, so one kernel serves every layout."""
     check_float("kv_cache", kv_cache)
     if rope_cache is None:
         if kv_cache.dim() != 2 or kv_cache.shape[1] != rank_dim + rope_dim:
@@ -76,9 +78,39 @@ def cache_parts(kv_cache: torch.Tensor, rope_cache: torch.Tensor | None, rank_di
         return kv_cache, kv_cache[:, rank_dim:]
     check_float("rope_cache", rope_cache)
     check_same_device(kv_cache=kv_cache, rope_cache=rope_cache)
+    if nz.is_nz(kv_cache) or nz.is_nz(rope_cache):
+        for name, part, width in (("kv_cache", kv_cache, rank_dim), ("rope_cache", rope_cache, rope_dim)):
+            nz.check(part)
+            if not part.is_contiguous() or nz.width_of(part) != width:
+                raise ValueError(f"an NZ {name} must be a contiguous [blocks, 1, {width}/16, block, 16], got "
+                                 f"{tuple(part.shape)}")
+        if kv_cache.shape[0] != rope_cache.shape[0] or nz.block_of(kv_cache) != nz.block_of(rope_cache) \
+                or kv_cache.dtype != rope_cache.dtype:
+            raise ValueError(f"an NZ split KV cache's two parts need one block size, block count and dtype, got "
+                             f"{tuple(kv_cache.shape)} {kv_cache.dtype} and {tuple(rope_cache.shape)} {rope_cache.dtype}")
+        return kv_cache, rope_cache
     if kv_cache.dim() != 2 or rope_cache.dim() != 2 or kv_cache.shape != (rope_cache.shape[0], rank_dim) \
             or rope_cache.shape[1] != rope_dim or kv_cache.dtype != rope_cache.dtype:
         raise ValueError(f"a split KV cache is kv_cache [rows, R] = [rows, {rank_dim}] and rope_cache [rows, P] = "
                          f"[rows, {rope_dim}] of one dtype, got {tuple(kv_cache.shape)} {kv_cache.dtype} and "
                          f"{tuple(rope_cache.shape)} {rope_cache.dtype}")
     return kv_cache, rope_cache
+
+
+def row_addressing(part: torch.Tensor) -> tuple[int, int, int]:
+    """(stride_row, stride_col, nz_block) of a cache part for `cache_offsets`: a [rows, D] view's
+    strides and 0, or for an NZ part its block stride, 1 and its block size."""
+    if nz.is_nz(part):
+        return part.stride(0), 1, nz.block_of(part)
+    return part.stride(0), part.stride(1), 0
+
+
+@triton.jit
+def cache_offsets(rows, cols, stride_row, stride_col, NZ_BLOCK: tl.constexpr):
+    """Element offsets of (rows, cols) in a cache part (broadcast): a strided [rows, D] part where
+    NZ_BLOCK is 0, else NZ: channel d of row r at [r // B, 0, d // 16, r % B, d % 16] (runtime/nz.py)."""
+    if NZ_BLOCK > 0:
+        offsets = (rows // NZ_BLOCK) * stride_row + (rows % NZ_BLOCK) * 16 + (cols // 16) * (NZ_BLOCK * 16) + cols % 16
+    else:
+        offsets = rows * stride_row + cols * stride_col
+    return offsets

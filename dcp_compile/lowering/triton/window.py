@@ -20,12 +20,14 @@ import triton.language as tl
 from dcp_compile.lowering.torch.reference import first_query_positions
 from dcp_compile.lowering.triton.launching import (
     block_size,
+    cache_offsets,
     cache_parts,
     check_float,
     check_index,
     check_same_device,
     grid_for,
     is_interpreted,
+    row_addressing,
     triton_dtype,
 )
 
@@ -51,7 +53,7 @@ def _window_kernel(
     stride_lse_token, stride_lse_head,
     RANK_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
-    OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, NZ_BLOCK: tl.constexpr,
 ):
     latent_cols = tl.arange(0, BLOCK_R)
     rope_cols = tl.arange(0, BLOCK_P)
@@ -72,11 +74,11 @@ def _window_kernel(
         key_position = tl.load(key_positions_ptr + request * stride_key_positions_req + column * stride_key_positions_col,
                                mask=in_table, other=0).to(tl.int64)
         visible = in_table & (key_position >= first) & (key_position <= query_position)
-        latent_row_ptr = latent_cache_ptr + row * stride_latent_cache_row
-        rope_row_ptr = rope_cache_ptr + row * stride_rope_cache_row
-        k_latent = tl.load(latent_row_ptr[:, None] + latent_cols[None, :] * stride_latent_cache_col,
+        k_latent = tl.load(latent_cache_ptr + cache_offsets(row[:, None], latent_cols[None, :], stride_latent_cache_row,
+                                                            stride_latent_cache_col, NZ_BLOCK),
                            mask=visible[:, None] & latent_mask[None, :], other=0.0).to(OPERAND_DTYPE)
-        k_rope = tl.load(rope_row_ptr[:, None] + rope_cols[None, :] * stride_rope_cache_col,
+        k_rope = tl.load(rope_cache_ptr + cache_offsets(row[:, None], rope_cols[None, :], stride_rope_cache_row,
+                                                        stride_rope_cache_col, NZ_BLOCK),
                          mask=visible[:, None] & rope_mask[None, :], other=0.0).to(OPERAND_DTYPE)
 
         head = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -153,8 +155,8 @@ def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_ta
         lse_prefix.stride(0), lse_prefix.stride(1),
         q_latent.stride(0), q_latent.stride(1), q_latent.stride(2),
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
-        latent_cache.stride(0), latent_cache.stride(1),
-        rope_part.stride(0), rope_part.stride(1),
+        *row_addressing(latent_cache)[:2],
+        *row_addressing(rope_part)[:2],
         page_table.stride(0), page_table.stride(1),
         seq_lens.stride(0),
         key_positions.stride(0), key_positions.stride(1),
@@ -164,7 +166,7 @@ def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_ta
         RANK_DIM=rank_dim, ROPE_DIM=rope_dim,
         BLOCK_R=block_size(rank_dim), BLOCK_P=block_size(rope_dim), BLOCK_H=block_h, BLOCK_W=block_size(window),
         OPERAND_DTYPE=tl.float32 if dot_in_fp32 else triton_dtype(kv_cache.dtype),
-        DOT_PRECISION="ieee" if dot_in_fp32 else None,
+        DOT_PRECISION="ieee" if dot_in_fp32 else None, NZ_BLOCK=row_addressing(latent_cache)[2],
         num_warps=8,
     )
     return out, lse

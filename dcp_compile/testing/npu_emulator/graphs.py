@@ -13,7 +13,8 @@
   host buffer as it is then.
 - **`update(cpu_update_input=[{...}, ...])`** rewrites the host lengths of the recorded FIA
   calls, one dict per call in capture order, by argument name (`actual_seq_lengths`,
-  `actual_seq_lengths_kv`), as torch_npu does; another name is an error. Updating a graph whose
+  `actual_seq_lengths_kv` for FIA v1, `actual_seq_qlen`, `actual_seq_kvlen` for v2), as torch_npu
+  does; another name is an error. Updating a graph whose
   last replay the host has not waited for is an error too: on hardware it races that replay.
 """
 
@@ -29,8 +30,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-UPDATABLE = {"npu_fused_infer_attention_score": ("actual_seq_lengths", "actual_seq_lengths_kv")}
-"""Ops whose host lengths NPUGraph.update rewrites, and the argument names it takes (FIA v1)."""
+UPDATABLE = {"npu_fused_infer_attention_score": ("actual_seq_lengths", "actual_seq_lengths_kv"),
+             "npu_fused_infer_attention_score_v2": ("actual_seq_qlen", "actual_seq_kvlen")}
+"""Ops whose host lengths NPUGraph.update rewrites, and the argument names it takes (FIA v1, v2:
+torch_npu's npugraph handlers, docs/ascend.md §9.3)."""
 KERNEL_NAMESPACES = {"aten", "prims", "npu", "dcp_triton", "_c10d_functional", "c10d", "dcp_npu_emulator"}
 """Ops recorded as one unit of device work (a kernel, a collective); other ops' npu kernels are
 Python over these, and run at capture."""
