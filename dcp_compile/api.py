@@ -278,6 +278,8 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     if replicated:
         strategy.require_replicated_back_end(lowering, f"a model with unsplit heads (tp_size 1) at dcp_size {config.dcp_size}")
     config = config.replace(kernels=lowering.name)
+    config.check_options(lowering)
+    lowering = lowering.configured(config)
     config = config.resolved(lowering, pool)
     lowering.check(model, pool, config)
     if config.inner_compile == "torchair":

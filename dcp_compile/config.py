@@ -8,6 +8,9 @@ from dataclasses import dataclass
 INNER_COMPILERS = ("auto", "eager", "inductor", "torchair")
 FIA_BLOCK_SIZE_RULES = ("cann-2025", "cann-2026")
 FUSE_PROJECTIONS = ("auto", "on", "off")
+NPU_KV_FORMATS = ("nd", "nz")
+FIA_VERSIONS = (1, 2)
+NPU_VERIFY_SCHEMES = ("split", "mask")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,22 @@ class DCPConfig:
     c29bc106, 2025-11), and what both engines use (128); 'cann-2026': any multiple of 16 up to
     1024, which only a CANN built from ops-transformer of 2026 or later (e197ec56) accepts
     (docs/ascend.md §4.5)."""
+
+    npu_kv_format: str = "nd"
+    """kernels='npu': the KV cache FIA reads. 'nd': latent [rows, 512] and rope [rows, 64] per layer;
+    'nz': both in the NZ layout [blocks, 1, D/16, 128, 16] (the Ascend A5 layout; FIA block size
+    128 only). docs/ascend.md §11.4, §15."""
+
+    fia_version: int = 1
+    """kernels='npu': 1 (npu_fused_infer_attention_score, what both engines' DCP paths call) or 2
+    (npu_fused_infer_attention_score_v2, torch_npu >= 2.6.0.post3 / 2.7.1; layouts BSND_NBSD and
+    TND_NTD). docs/ascend.md §1.3, §15.2."""
+
+    npu_verify: str = "split"
+    """kernels='npu', verify and short extend rows: 'split' (FIA unmasked over each row's keys
+    before its first query, plus a window kernel over the rest, merged by LSE) or 'mask' (one FIA
+    call per layer with a rank-local causal mask [B, 1, S, blocks x 128], as vllm-ascend and SGLang
+    verify under DCP; rows of equal query counts, S <= 16). docs/ascend.md §15.3."""
 
     fuse_projections: str = "auto"
     """'on': the projections that read one input become one matmul at compile time (q_a with kv_a,
@@ -80,6 +99,12 @@ class DCPConfig:
             raise ValueError("kernels='npu' runs with inner_compile='eager' (inductor does not lower the torch_npu ops)")
         if self.fia_block_sizes not in FIA_BLOCK_SIZE_RULES:
             raise ValueError(f"fia_block_sizes must be one of {FIA_BLOCK_SIZE_RULES}, got {self.fia_block_sizes!r}")
+        if self.npu_kv_format not in NPU_KV_FORMATS:
+            raise ValueError(f"npu_kv_format must be one of {NPU_KV_FORMATS}, got {self.npu_kv_format!r}")
+        if isinstance(self.fia_version, bool) or self.fia_version not in FIA_VERSIONS:
+            raise ValueError(f"fia_version must be 1 or 2, got {self.fia_version!r}")
+        if self.npu_verify not in NPU_VERIFY_SCHEMES:
+            raise ValueError(f"npu_verify must be one of {NPU_VERIFY_SCHEMES}, got {self.npu_verify!r}")
         if self.fuse_projections not in FUSE_PROJECTIONS:
             raise ValueError(f"fuse_projections must be one of {FUSE_PROJECTIONS}, got {self.fuse_projections!r}")
         if not isinstance(self.debug_checks, bool):
@@ -98,5 +123,19 @@ class DCPConfig:
             config = config.replace(fuse_projections="on" if pool.device.type == "cuda" else "off")
         return config
 
+    def check_options(self, lowering) -> None:
+        """Raise where a back-end option is set away from its default for a back end that does not
+        read it (Lowering.options): it would be silently ignored."""
+        for name in BACK_END_OPTIONS:
+            value = getattr(self, name)
+            if value != DEFAULTS[name] and name not in lowering.options:
+                raise ValueError(f"{name}={value!r} is an option of kernels='npu'; kernels={lowering.name!r} does not "
+                                 "read it")
+
     def replace(self, **changes) -> "DCPConfig":
         return dataclasses.replace(self, **changes)
+
+
+BACK_END_OPTIONS = ("fia_block_sizes", "npu_kv_format", "fia_version", "npu_verify")
+"""DCPConfig fields that only the back end naming them in Lowering.options reads."""
+DEFAULTS = {field.name: field.default for field in dataclasses.fields(DCPConfig)}

@@ -62,6 +62,12 @@ class Workload:
     """Run the debug-check passes too."""
     inner_compile: str = "auto"
     """The DCP model's inner compiler (DCPConfig.inner_compile: auto, eager, inductor, torchair)."""
+    npu_kv_format: str = "nd"
+    """kernels='npu': DCPConfig.npu_kv_format of the DCP model ('nd' or 'nz')."""
+    fia_version: int = 1
+    """kernels='npu': DCPConfig.fia_version of the DCP model (1 or 2)."""
+    npu_verify: str = "split"
+    """kernels='npu': DCPConfig.npu_verify of the DCP model ('split' or 'mask')."""
 
     default_dtype = "float32"
     device_type = "cpu"
@@ -87,6 +93,7 @@ class Workload:
         if self.inner_compile not in INNER_COMPILERS:
             raise ValueError(f"inner-compile must be one of {list(INNER_COMPILERS)}, got {self.inner_compile!r}")
         lowering = self.lowering()  # an unknown back end raises here
+        self.config().check_options(lowering)
         if self.model is None:
             object.__setattr__(self, "model", SMALL_PRESETS.get(lowering.model_dims, "tiny"))
         if self.dtype is None:
@@ -121,9 +128,8 @@ class Workload:
     def lowering(self) -> Lowering:
         """The back end `kernels` names; for 'auto', the one it resolves to on this device (the
         page rules of CUDA's two, FlashInfer and Triton, are the same: any page)."""
-        if self.kernels != registry.AUTO:
-            return registry.get(self.kernels)
-        return registry.get("npu" if self.device_type == "npu" else "torch")
+        name = self.kernels if self.kernels != registry.AUTO else ("npu" if self.device_type == "npu" else "torch")
+        return registry.get(name).configured(self.config())
 
     def pages_for(self, dcp_size: int) -> int:
         """The page size of the model at `dcp_size`."""
@@ -147,7 +153,11 @@ class Workload:
     def config(self, **fields) -> DCPConfig:
         return DCPConfig(dcp_size=self.dcp_size, interleave=self.interleave, kernels=self.kernels,
                          attention_strategy=self.attention_strategy, debug_checks=self.debug_checks,
-                         inner_compile=self.inner_compile, **fields)
+                         inner_compile=self.inner_compile, **{**self.npu_fields(), **fields})
+
+    def npu_fields(self) -> dict:
+        """The DCP model's options of kernels='npu' (DCPConfig fields)."""
+        return dict(npu_kv_format=self.npu_kv_format, fia_version=self.fia_version, npu_verify=self.npu_verify)
 
     def model_config(self) -> MLAModelConfig:
         cfg = preset(self.model)

@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from dcp_compile.cli import npu_flags
 from dcp_compile.config import INNER_COMPILERS
 from dcp_compile.lowering import registry
 from dcp_compile.cost_model import STRATEGIES
@@ -90,6 +91,7 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int, default=128,
                    help="--kernels npu: FIA block size, 16 or 128 (default 128, as the engines use; 16 makes short "
                         "contexts cross blocks); pages are block x dcp_size locations")
+    npu_flags.add(p)
     p.add_argument("--inner-compile", default="auto", choices=INNER_COMPILERS,
                    help="the DCP model's compiler after the DCP passes: eager (run the FX graph), inductor, torchair "
                         "(Ascend; needs torch_npu), or auto (default: inductor with flashinfer or triton on CUDA, else "
@@ -130,7 +132,7 @@ def run(args) -> int:
         interleave=args.interleave, pad_rows=args.pad_rows, kernels=args.kernels, block_size=args.block_size,
         device=args.device, timeout=args.timeout, inner_compile=args.inner_compile,
         model=args.model, dtype=args.dtype,
-        checkpoint=args.checkpoint, prompt_ids=prompt_ids, graphs=args.graphs,
+        checkpoint=args.checkpoint, prompt_ids=prompt_ids, graphs=args.graphs, **npu_flags.fields(args),
     )
     if args.launch == "torchrun":
         result, rank = compare_torchrun(scenario)

@@ -338,7 +338,8 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
             model = load_pretrained(scenario.checkpoint, num_layers=scenario.layers, **common)
         else:
             model = MLAModel(cfg, seed=scenario.seed, **common)
-        return api.apply(model, dcp_size, interleave=scenario.interleave if dcp_size > 1 else 1,
+        options = scenario.npu_fields() if dcp_size > 1 else {}  # the baseline keeps the defaults
+        return api.apply(model, dcp_size, interleave=scenario.interleave if dcp_size > 1 else 1, **options,
                          debug_checks=scenario.debug_checks, attention_strategy=scenario.attention_strategy,
                          kernels=scenario.kernels if dcp_size > 1 else scenario.baseline_kernels,
                          inner_compile=scenario.inner_compile if dcp_size > 1 else "eager")

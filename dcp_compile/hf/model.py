@@ -99,6 +99,8 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
     lowering = registry.resolve(config.kernels, pool, config)
     require_replicated_back_end(lowering, "the transformers front end")
     config = config.replace(kernels=lowering.name)
+    config.check_options(lowering)
+    lowering = lowering.configured(config)
     config = config.resolved(lowering, pool)
     lowering.check(model, pool, config)
     lowering.prepare(pool, config)

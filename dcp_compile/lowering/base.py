@@ -5,6 +5,8 @@ Everything above lowering/ (apply, the backend, the compiled model, the demo, th
 back end through these methods and never names one:
 
 - serves: `unsupported_reason(pool, config)`: None, or one reason string;
+- its options: `options` (the DCPConfig fields it reads; apply refuses the others set away from
+  their defaults) and `configured(config)`, the back end with them applied, which apply keeps;
 - checks at apply: `check(model, pool, config)`; `prepare(pool, config)` (a kernel build);
 - its passes: `passes()`, run after the DCP rewrites, before cleanup and the verifier;
 - its query limit: `window` tokens per request where `windowed(dcp_size)`, more going to the
@@ -44,9 +46,15 @@ class Lowering:
     or 'split', whose lowering then ends with lowering.kv_layout.SplitKVCache."""
     plans_on_host: bool = False
     """Whether its kernels read host metadata of each step (lengths, block tables, plans)."""
+    options: tuple[str, ...] = ()
+    """DCPConfig fields that only this back end reads (config.BACK_END_OPTIONS)."""
     baseline: str | None = None
     """The back end a DCP run of it is compared with at dcp_size 1 (None: the torch reference on
     the CPU, 'auto' on a device); itself where its numerics differ from the reference's."""
+
+    def configured(self, config) -> "Lowering":
+        """This back end with the options `config` sets for it (a copy where they change anything)."""
+        return self
 
     def unsupported_reason(self, pool, config) -> str | None:
         """Why it cannot serve `pool` (its device, widths, dtype, pages) under `config`; None if it can."""

@@ -10,6 +10,13 @@ writer of a layer's cache at the two parts.
             key = cache_latent; key_rope = cache_rope
             dcp_triton.window_attention(..., cache_latent, ..., rope_cache=cache_rope); ...
 
+In the pool's nz layout (Ascend FIA's NZ cache, docs/ascend.md §11.4) the two parts are NZ
+tensors [blocks, 1, D/16, block, 16], which the readers and writers above address themselves;
+FIA's views of the cache are `dcp.nz_kv_blocks(cache, R, block)` there, not slices:
+
+    before: latent_nz, rope_nz = dcp.nz_kv_blocks(cache, R, block)
+    after:  latent_nz = cache_latent; rope_nz = cache_rope
+
 `cache_latent` and `cache_rope` are the pool's tensors themselves, attributes of the graph
 module (get_attr): the backend binds which placeholder is which layer (passes.cache_use.bind_pool).
 Assumes: the other passes ran; every use of a cache is one of the ops above (the cache in the
@@ -24,6 +31,8 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.lowering.triton.ops import triton_op
+from dcp_compile.ops import targets
+from dcp_compile.runtime import nz
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.cache_use import POOL_INPUTS
 from dcp_compile.passes.graph_utils import fake_mode_of, fake_value, op_name
@@ -49,15 +58,15 @@ class SplitKVCache(GraphPass):
         if POOL_INPUTS not in gm.meta:
             raise RuntimeError("split_kv_cache needs the KV pool bound to the graph (passes.cache_use.bind_pool)")
         pool, layers = gm.meta[POOL_INPUTS]
-        if pool.layout != "split":
-            raise RuntimeError(f"split_kv_cache runs on a pool in the split layout; this one is {pool.layout!r}")
+        if pool.layout not in ("split", "nz"):
+            raise RuntimeError(f"split_kv_cache runs on a pool in the split or nz layout; this one is {pool.layout!r}")
         readers = _cache_readers()
         rewritten = 0
         captured = gm.meta.get(CAPTURED_MUTATIONS)
         for node in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in layers]:
             latent, rope = self._parts(gm, node, pool, layers[node.name])
             for user in list(node.users):
-                self._rewrite(gm.graph, user, node, latent, rope, pool.kv_lora_rank, readers)
+                self._rewrite(gm.graph, user, node, latent, rope, pool, readers)
                 rewritten += 1
             if captured is not None and node.name in captured:
                 # The layer's writes moved to its two parts: the verifier checks those now.
@@ -78,15 +87,26 @@ class SplitKVCache(GraphPass):
         return made[0], made[1]
 
     @staticmethod
-    def _rewrite(graph: fx.Graph, user: fx.Node, cache: fx.Node, latent: fx.Node, rope: fx.Node, rank_dim: int,
+    def _rewrite(graph: fx.Graph, user: fx.Node, cache: fx.Node, latent: fx.Node, rope: fx.Node, pool,
                  readers: dict) -> None:
+        rank_dim = pool.kv_lora_rank
         if user.op == "call_function" and user.target in readers and user.args[readers[user.target]] is cache:
             args = list(user.args)
             args[readers[user.target]] = latent
             user.args = tuple(args)
             user.kwargs = {**user.kwargs, "rope_cache": rope}
             return
-        if user.op == "call_function" and user.target is aten.slice.Tensor and user.args[1] == 1:
+        if user.op == "call_function" and user.target is targets.NZ_KV_BLOCKS and user.args[0] is cache:
+            if pool.layout != "nz" or user.args[1] != rank_dim or user.args[2] != nz.block_of(pool.parts(0)[0]):
+                raise ValueError(f"dcp.nz_kv_blocks{tuple(user.args[1:])} reads NZ blocks, but the pool's layout is "
+                                 f"{pool.layout!r}" + (f" with blocks of {pool.nz_block()}" if pool.layout == "nz" else ""))
+            for getitem in list(user.users):
+                getitem.replace_all_uses_with((latent, rope)[getitem.args[1]])
+                graph.erase_node(getitem)
+            graph.erase_node(user)
+            return
+        if user.op == "call_function" and user.target is aten.slice.Tensor and user.args[1] == 1 \
+                and pool.layout == "split":
             start, end = user.args[2], user.args[3]
             width = fake_value(cache).shape[1]
             part = {(0, rank_dim): latent, (rank_dim, width): rope}.get((start, min(end, width)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from dcp_compile.lowering.npu.lower_attention import fia_op
+from dcp_compile.lowering.npu.lower_attention import fia_ops
 from dcp_compile.runtime.host_inputs import HOST_INPUT, HostFeed
 from dcp_compile.runtime.host_metadata import RankHostMetadata
 
@@ -19,11 +19,19 @@ class FIAFeed(HostFeed):
         self.fia_args = [
             {name: value[0].meta[HOST_INPUT].kind for name, value in node.kwargs.items()
              if isinstance(value, (list, tuple)) and value and isinstance(value[0], fx.Node)}
-            for node in gm.graph.nodes if node.op == "call_function" and node.target is fia_op()
+            for node in gm.graph.nodes if node.op == "call_function" and node.target in fia_ops()
         ]
         """Per FIA call, in order: {FIA argument: the host length kind it takes}."""
+        self.rows_of_equal_queries = any("query_len" in call.values() for call in self.fia_args)
+        """Whether its FIA calls take BSND verify rows (npu_verify='mask'): S = T / B queries each."""
+
+    def prepare(self, host: RankHostMetadata) -> None:
+        if self.rows_of_equal_queries and len(set(host.query_lens)) > 1:
+            raise ValueError(f"npu_verify='mask' lowered this graph for rows of equal query counts (a verify step, or "
+                             f"padded rows of one); this batch has query counts {list(host.query_lens)}: use "
+                             "npu_verify='split' for batches that mix them")
 
     def graph_updates(self, host: RankHostMetadata) -> list[dict]:
         lists = {"local_len": list(host.local_seq_lens), "local_prefix_len": list(host.local_prefix_lens),
-                 "cumulative_query_len": host.cumulative_query_lens}
+                 "cumulative_query_len": host.cumulative_query_lens, "query_len": list(host.query_lens)}
         return [{argument: lists[kind] for argument, kind in call.items()} for call in self.fia_args]

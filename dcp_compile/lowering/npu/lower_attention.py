@@ -12,6 +12,18 @@
             o, lse = dcp.window_attention(o, lse, q, q_rope, cache, *local_meta, ids, pos, s, 16)
     and     dcp.merge_partials(buf, R) -> npu.npu_attention_update(lses, outs, 0) over dcp.split_partials(buf, R)
 
+Options (NPUOptions, from apply's npu_kv_format, fia_version and npu_verify; docs/ascend.md §15):
+- kv_format 'nz': key and key_rope are the NZ parts [blocks, 1, D/16, 128, 16] (dcp.nz_kv_blocks,
+  which the split layout's pass points at the pool's NZ tensors) instead of [blocks, block, D];
+- fia_version 2: npu_fused_infer_attention_score_v2 under v2's argument names, layouts BSND_NBSD
+  (decode, masked verify; out [Hp, B, S, R]) and TND_NTD (split verify; out [Hp, T, R]), the
+  output permuted back to [T, Hp, R] as a view;
+- verify 'mask': verify rows of S = T / B queries take one FIA call over every local key, in
+  BSND (v1) or BSND_NBSD (v2), with actual_seq_lengths the rows' query counts and a rank-local
+  causal mask [B, 1, S, blocks x block] from dcp.rank_causal_mask, as vllm-ascend and SGLang
+  verify under DCP; no window kernel. A graph whose tokens do not split evenly over its rows keeps
+  the split.
+
 The lengths and the block table are host-fed graph inputs (lowering/paged.HostPlaceholders) that
 the graph's FIAFeed fills each step. Why this scheme (layouts, the split for verify, heads padded
 to a power of two, empty shards masked by their lengths): docs/paged-lowerings.md; the FIA facts it
@@ -30,6 +42,7 @@ Why a pass: the kernel and its layout depend on the deployment (Ascend), not on 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -52,8 +65,40 @@ DEFAULT_BLOCK_SIZE = 128  # both engines' (docs/ascend.md §4.5)
 MAX_UPDATE_SHARDS = 16  # npu_attention_update: at most 16 inputs (docs/ascend.md §8.3)
 
 
-def fia_op():
+KV_FORMATS = ("nd", "nz")
+FIA_VERSIONS = (1, 2)
+VERIFY_SCHEMES = ("split", "mask")
+
+
+@dataclass(frozen=True)
+class NPUOptions:
+    """How the NPU lowering calls FIA (DCPConfig.npu_kv_format, fia_version, npu_verify)."""
+
+    kv_format: str = "nd"
+    fia_version: int = 1
+    verify: str = "split"
+
+
+# FIA v1 argument -> its v2 name (docs/ascend.md §1.3).
+V2_NAMES = {"actual_seq_lengths": "actual_seq_qlen", "actual_seq_lengths_kv": "actual_seq_kvlen",
+            "num_heads": "num_query_heads", "scale": "softmax_scale", "softmax_lse_flag": "return_softmax_lse"}
+
+
+def fia_op(version: int = 1):
+    if version == 2:
+        return torch.ops.npu.npu_fused_infer_attention_score_v2.default
     return torch.ops.npu.npu_fused_infer_attention_score.default
+
+
+def fia_ops() -> tuple:
+    """Both FIA versions' overloads (the feed finds the calls of either)."""
+    return tuple(fia_op(version) for version in FIA_VERSIONS)
+
+
+def has_fia_v2() -> bool:
+    """Whether the npu ops (torch_npu's, or the stand-ins) include FIA v2."""
+    ensure_ops()
+    return hasattr(torch.ops.npu, "npu_fused_infer_attention_score_v2")
 
 
 def attention_update_op():
@@ -84,13 +129,27 @@ def padded_heads(heads: int) -> int:
     )
 
 
+def masked_rows(tokens: int, rows: int) -> int | None:
+    """Queries per row of a verify graph the masked scheme serves (T = B x S, 1 < S <= 16), else None."""
+    if rows == 0 or tokens == rows or tokens % rows or tokens // rows > targets.WINDOW_QUERIES:
+        return None
+    return tokens // rows
+
+
 class LowerNPUAttention(paged.PagedAttentionPass):
     name = "lower_npu_attention"
     reader = "FIA (docs/ascend.md §4.3)"
 
+    def __init__(self, options: NPUOptions = NPUOptions()):
+        self.options = options
+
     def prepare(self, gm: fx.GraphModule) -> None:
         ensure_ops()
         self._views: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
+        self._masks: dict[int, tuple[fx.Node, fx.Node]] = {}
+
+    def split(self, config: PassConfig, site: sites.PoolAttention) -> bool:
+        return self.options.verify != "mask" or self.split_site(site)
 
     def block_size(self, config: PassConfig) -> int:
         # apply() checked the deployment's rule (DCPConfig.fia_block_sizes); here only FIA's outer bound.
@@ -98,8 +157,26 @@ class LowerNPUAttention(paged.PagedAttentionPass):
 
     def kernel(self, graph, site, q_latent, q_rope, decode, host, block_table, block_size):
         if site.cache not in self._views:
-            self._views[site.cache] = self._paged_views(graph, site, block_size)
-        return self._fia(graph, site, q_latent, q_rope, host, block_table, self._views[site.cache], block_size, decode)
+            self._views[site.cache] = (self._nz_views(graph, site, block_size) if self.options.kv_format == "nz"
+                                       else self._paged_views(graph, site, block_size))
+        mask = None
+        if not decode and self.options.verify == "mask" and not self.split_site(site):
+            mask = self._mask(graph, site, host, block_size)
+        return self._fia(graph, site, q_latent, q_rope, host, block_table, self._views[site.cache], block_size, decode,
+                         self.options.fia_version, mask)
+
+    def split_site(self, site) -> bool:
+        return masked_rows(fake_value(site.q_latent).shape[0], fake_value(site.req_to_token).shape[0]) is None
+
+    def _mask(self, graph, site, host: paged.HostPlaceholders, block_size: int) -> tuple[fx.Node, fx.Node]:
+        """The rank-local causal mask of the graph's rows and each query's visible key count; one
+        per graph (every layer's site reads the same positions)."""
+        width = host.blocks * block_size  # FIA checks the mask's width against the paged capacity
+        if width not in self._masks:
+            positions = paged.site_key_positions(graph, site)
+            made = call(graph, targets.RANK_CAUSAL_MASK, positions, site.local_lens, site.q_positions, width)
+            self._masks[width] = (call(graph, operator.getitem, made, 0), call(graph, operator.getitem, made, 1))
+        return self._masks[width]
 
     def finish(self, gm: fx.GraphModule, config: PassConfig) -> int:
         merges = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is targets.MERGE_PARTIALS]
@@ -120,8 +197,14 @@ class LowerNPUAttention(paged.PagedAttentionPass):
                 call(graph, aten.view.default, rope, [blocks, block_size, row_dim - rank_dim]))
 
     @staticmethod
+    def _nz_views(graph, site: sites.PoolAttention, block_size: int) -> tuple[fx.Node, fx.Node]:
+        rank_dim = fake_value(site.q_latent).shape[-1]
+        blocks = call(graph, targets.NZ_KV_BLOCKS, site.cache, rank_dim, block_size)
+        return call(graph, operator.getitem, blocks, 0), call(graph, operator.getitem, blocks, 1)
+
+    @staticmethod
     def _fia(graph, site, q_latent, q_rope, host: paged.HostPlaceholders, block_table, views, block_size: int,
-             decode: bool):
+             decode: bool, version: int = 1, mask: tuple[fx.Node, fx.Node] | None = None):
         tokens, heads, rank_dim = fake_value(q_latent).shape
         rope_dim = fake_value(q_rope).shape[-1]
         rows = fake_value(site.req_to_token).shape[0]
@@ -137,20 +220,50 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         key, key_rope = views
         common = dict(num_heads=all_heads, scale=site.sm_scale, num_key_value_heads=1, block_table=block_table,
                       block_size=block_size, sparse_mode=0, softmax_lse_flag=True)
-        if decode:
-            query = call(graph, aten.view.default, q_latent, [rows, 1, all_heads, rank_dim])
-            query_rope = call(graph, aten.view.default, q_rope, [rows, 1, all_heads, rope_dim])
-            fia = call(graph, fia_op(), query, key, key, query_rope=query_rope, key_rope=key_rope, input_layout="BSND",
-                       actual_seq_lengths_kv=host.local_lens(), **common)
+        per_row = 1 if decode else (None if mask is None else tokens // rows)
+        if per_row is not None:  # BSND: decode (S = 1) and masked verify (S = T / B)
+            query = call(graph, aten.view.default, q_latent, [rows, per_row, all_heads, rank_dim])
+            query_rope = call(graph, aten.view.default, q_rope, [rows, per_row, all_heads, rope_dim])
+            lengths = dict(actual_seq_lengths_kv=host.local_lens())
+            if mask is not None:
+                lengths.update(actual_seq_lengths=host.query_lens(), atten_mask=mask[0])
+            layout = "BSND"
+        else:  # TND: split verify, over the keys before each row's first query
+            query, query_rope, layout = q_latent, q_rope, "TND"
+            lengths = dict(actual_seq_lengths=host.cumulative_query_lens(), actual_seq_lengths_kv=host.prefix_lens())
+        arguments = {**common, **lengths}
+        if version == 2:  # the same call under v2's names; outputs head-major (docs/ascend.md §15.2)
+            arguments = {V2_NAMES.get(name, name): value for name, value in arguments.items()}
+            layout += "_NBSD" if layout == "BSND" else "_NTD"
+        fia = call(graph, fia_op(version), query, key, key, query_rope=query_rope, key_rope=key_rope,
+                   input_layout=layout, **arguments)
+        out = call(graph, operator.getitem, fia, 0)
+        if version == 2:  # [Hp, B, S, R] or [Hp, T, R] -> a [T, Hp, R] view
+            out = call(graph, aten.permute.default, call(graph, aten.view.default, out, [all_heads, tokens, rank_dim]),
+                       [1, 0, 2])
         else:
-            fia = call(graph, fia_op(), q_latent, key, key, query_rope=q_rope, key_rope=key_rope, input_layout="TND",
-                       actual_seq_lengths=host.cumulative_query_lens(), actual_seq_lengths_kv=host.prefix_lens(), **common)
-        out = call(graph, aten.view.default, call(graph, operator.getitem, fia, 0), [tokens, all_heads, rank_dim])
-        lse = call(graph, aten.view.default, call(graph, operator.getitem, fia, 1), [tokens, all_heads])
-        out, lse = LowerNPUAttention._mask_empty(graph, site, out, lse, decode)
+            out = call(graph, aten.view.default, out, [tokens, all_heads, rank_dim])
+        lse = call(graph, operator.getitem, fia, 1)
+        if per_row is not None and per_row > 1:  # [B, Hp, S, 1] -> [T, Hp]
+            lse = call(graph, aten.reshape.default, call(graph, aten.permute.default, lse, [0, 2, 1, 3]),
+                       [tokens, all_heads])
+        else:
+            lse = call(graph, aten.view.default, lse, [tokens, all_heads])
+        if mask is not None:
+            out, lse = LowerNPUAttention._mask_unseen(graph, mask[1], out, lse)
+        else:
+            out, lse = LowerNPUAttention._mask_empty(graph, site, out, lse, decode)
         if all_heads != heads:
             out = call(graph, aten.slice.Tensor, out, 1, 0, heads)
             lse = call(graph, aten.slice.Tensor, lse, 1, 0, heads)
+        return out, lse
+
+    @staticmethod
+    def _mask_unseen(graph, visible, out, lse):
+        """_mask_empty for the masked verify: the tokens whose mask admits no key."""
+        empty = call(graph, aten.unsqueeze.default, call(graph, aten.eq.Scalar, visible, 0), 1)
+        lse = call(graph, aten.masked_fill.Scalar, lse, empty, float("-inf"))
+        out = call(graph, aten.masked_fill.Scalar, out, call(graph, aten.unsqueeze.default, empty, 2), 0.0)
         return out, lse
 
     @staticmethod

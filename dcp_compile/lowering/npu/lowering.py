@@ -4,13 +4,17 @@ triton-ascend for the rest on an NPU."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.fx as fx
 
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.lowering.kv_layout import SplitKVCache
 from dcp_compile.lowering.npu.feed import FIAFeed
-from dcp_compile.lowering.npu.lower_attention import MAX_UPDATE_SHARDS, LowerNPUAttention, fia_block_size, padded_heads
+from dcp_compile.lowering.npu.lower_attention import (MAX_UPDATE_SHARDS, LowerNPUAttention, NPUOptions, fia_block_size,
+                                                      has_fia_v2, padded_heads)
+from dcp_compile.runtime import nz
 from dcp_compile.ops.targets import WINDOW_QUERIES
 from dcp_compile.lowering.triton.lower_kernels import LowerKernels
 from dcp_compile.runtime.devices import require_torch_npu
@@ -26,6 +30,17 @@ class NPULowering(Lowering):
     model_dims = (512, 64)  # FIA's MLA path (docs/ascend.md §4.1)
     dtypes = (torch.bfloat16, torch.float16)  # docs/ascend.md §4.6
     baseline = "npu"  # the stand-in's bf16 FIA rounds unlike the reference: compare FIA with FIA
+    options = ("fia_block_sizes", "npu_kv_format", "fia_version", "npu_verify")
+    npu_options = NPUOptions()
+
+    def configured(self, config) -> "NPULowering":
+        chosen = NPUOptions(config.npu_kv_format, config.fia_version, config.npu_verify)
+        if chosen == self.npu_options:
+            return self
+        lowering = copy.copy(self)
+        lowering.npu_options = chosen
+        lowering.kv_layout = "nz" if chosen.kv_format == "nz" else "split"
+        return lowering
 
     def unsupported_reason(self, pool, config) -> str | None:
         if pool.device.type not in ("npu", "meta"):
@@ -36,6 +51,7 @@ class NPULowering(Lowering):
     def check(self, model, pool, config) -> None:
         if pool.device.type == "npu":
             require_torch_npu("a KV pool on an NPU")
+            self._check_triton_runs(pool)
         elif pool.device.type != "meta":
             raise RuntimeError(f"kernels='npu': {self.unsupported_reason(pool, config)}")
         if pool.dtype not in self.dtypes:
@@ -46,10 +62,32 @@ class NPULowering(Lowering):
                              f"{pool.kv_lora_rank} and {pool.rope_dim}")
         if config.dcp_size > MAX_UPDATE_SHARDS:
             raise ValueError(f"npu_attention_update merges at most {MAX_UPDATE_SHARDS} shards, dcp_size is {config.dcp_size}")
-        fia_block_size(pool.page_size, config.dcp_size, config.interleave, config.fia_block_sizes)
+        block = fia_block_size(pool.page_size, config.dcp_size, config.interleave, config.fia_block_sizes)
+        self._check_options(config, block)
         heads = getattr(model, "num_local_heads", None)
         if heads is not None:
             padded_heads(heads * config.dcp_size)
+
+    @staticmethod
+    def _check_triton_runs(pool) -> None:
+        """On the emulated device (the host) the Triton kernels of the lowering run only in Triton's interpreter."""
+        from dcp_compile.lowering import triton as triton_kernels
+        from dcp_compile.runtime.devices import emulated_npu
+
+        if emulated_npu() and triton_kernels.available() and not triton_kernels.interpreted():
+            raise RuntimeError("kernels='npu' on the emulated npu device runs its Triton kernels (KV writes, window "
+                               "attention, pack and merge) in Triton's interpreter: set TRITON_INTERPRET=1 too")
+
+    @staticmethod
+    def _check_options(config, block: int) -> None:
+        """The combinations of apply's npu options the docs forbid, or that this install cannot run."""
+        if config.npu_kv_format == "nz" and block != nz.BLOCK:
+            raise ValueError(f"npu_kv_format='nz' needs FIA blocks of {nz.BLOCK} rows (docs/ascend.md §11.4); the pages "
+                             f"give {block} (block_size {block}): use --block-size {nz.BLOCK}")
+        if config.fia_version == 2 and not has_fia_v2():
+            raise RuntimeError("fia_version=2 needs torch_npu's npu_fused_infer_attention_score_v2, which this torch_npu "
+                               "lacks (it came with torch_npu 2.6.0.post3 / 2.7.1, docs/ascend.md §15.2): use "
+                               "fia_version=1 or a newer torch_npu")
 
     def static_shapes(self, strategy: str) -> bool:
         return strategy == "gather-q"
@@ -66,7 +104,7 @@ class NPULowering(Lowering):
 
     def passes(self) -> list:
         # meta: what the dump captures; its graphs show the kernels an NPU runs.
-        return [LowerNPUAttention(), LowerKernels(devices=("npu", "meta")), SplitKVCache()]
+        return [LowerNPUAttention(self.npu_options), LowerKernels(devices=("npu", "meta")), SplitKVCache()]
 
     def host_feed(self, gm: fx.GraphModule, dcp_rank: int):
         return FIAFeed(gm, dcp_rank) if host_placeholders(gm.graph) else None

@@ -99,6 +99,7 @@ PLANT_ENV = "DCP_COMPILE_STANDIN_PLANT"
 PLANTS = {
     "empty-shard-lse": "FIA gives an lse of -inf (not +inf) for a request with no key",
     "empty-shard-garbage": "FIA gives garbage for a request with no key: NaN out and a finite lse of 30",
+    "nz-off-by-one": "FIA reads an NZ cache's slot s + 1 for slot s (an off-by-one in the NZ index)",
 }
 """Deviations a stand-in can be made to show, by name."""
 
@@ -780,6 +781,8 @@ def _flat_blocks(cache: torch.Tensor) -> torch.Tensor:
     """[num_blocks * block_size, D] from any paged view: NZ's channel d of slot s of block b is at
     [b, 0, d // 16, s, d % 16] (docs/ascend.md §11.4)."""
     if cache.dim() == 5:
+        if planted() == "nz-off-by-one":
+            cache = cache.roll(-1, dims=3)
         return cache.permute(0, 1, 3, 2, 4).reshape(-1, _cache_width(cache))
     return cache.reshape(-1, cache.shape[-1])
 
