@@ -129,6 +129,133 @@ def fia_reference(q, q_rope, cache: PagedCache, kv_lens, query_lens=None, base=m
     return torch.cat(outs), torch.cat(lses)
 
 
+def fia_a5(q, q_rope, cache: PagedCache, kv_lens, version=1, nz_cache=False, query_lens=None, mask=None):
+    """FIA as the lowering calls it under its A5 options (lowering/npu/lower_attention.py): v1 or v2,
+    the ND or the NZ cache (docs/ascend.md §15); decode (BSND / BSND_NBSD), the split verify's
+    prefix (TND / TND_NTD, query_lens) or the masked verify (BSND with `mask` [B, 1, S, W] and S
+    queries a row). Returns out [T, H, R], lse [T, H]."""
+    from dcp_compile.lowering.npu.lower_attention import V2_NAMES
+    from dcp_compile.runtime import nz
+
+    tokens, heads, _ = q.shape
+    latent, rope = cache.latent, cache.rope
+    if nz_cache:
+        latent = nz.from_rows(latent.reshape(-1, LATENT), cache.block_size)
+        rope = nz.from_rows(rope.reshape(-1, ROPE), cache.block_size)
+    arguments = dict(num_heads=heads, scale=SCALE, num_key_value_heads=1, block_table=cache.table,
+                     block_size=cache.block_size, sparse_mode=0, softmax_lse_flag=True,
+                     actual_seq_lengths_kv=list(kv_lens))
+    rows = len(kv_lens)
+    if query_lens is not None and mask is None:
+        query, query_rope, layout = q, q_rope, "TND"
+        arguments["actual_seq_lengths"] = [sum(query_lens[: i + 1]) for i in range(rows)]
+    else:
+        per_row = tokens // rows
+        query, query_rope, layout = q.view(rows, per_row, heads, LATENT), q_rope.view(rows, per_row, heads, ROPE), "BSND"
+        if mask is not None:
+            arguments.update(atten_mask=mask, actual_seq_lengths=[per_row] * rows)
+    op = torch.ops.npu.npu_fused_infer_attention_score
+    if version == 2:
+        op = torch.ops.npu.npu_fused_infer_attention_score_v2
+        arguments = {V2_NAMES.get(k, k): v for k, v in arguments.items()}
+        layout += "_NBSD" if layout == "BSND" else "_NTD"
+    out, lse = op(query, latent, latent, query_rope=query_rope, key_rope=rope, input_layout=layout, **arguments)
+    if version == 2:
+        out = out.reshape(heads, tokens, LATENT).transpose(0, 1)
+    if lse.dim() == 4:  # [B, N, S, 1]
+        lse = lse.permute(0, 2, 1, 3)
+    return out.reshape(tokens, heads, LATENT), lse.reshape(tokens, heads)
+
+
+def masked_reference(q, q_rope, cache: PagedCache, visible):
+    """Each query t over the first visible[t] keys of its row (S = T / B queries a row), fp32 on the
+    CPU; a query that sees none: out 0, lse -inf."""
+    rows = cache.table.shape[0]
+    per_row = q.shape[0] // rows
+    outs, lses = [], []
+    for t, count in enumerate(visible):
+        if count == 0:
+            outs.append(torch.zeros(1, q.shape[1], LATENT))
+            lses.append(torch.full((1, q.shape[1]), -math.inf))
+            continue
+        out, lse = fia_reference(q[t : t + 1], q_rope[t : t + 1], PagedCache(cache.latent, cache.rope,
+                                 cache.table[t // per_row : t // per_row + 1], cache.block_size), [count])
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def check_nz_cache(fact: Fact, device) -> None:
+    kv_lens = [5, 130, 0]
+    cache = paged_cache(kv_lens, 128, device, seed=21)
+    q, q_rope = queries(len(kv_lens), HEADS, device, seed=22)
+    want = fia_reference(q, q_rope, cache, kv_lens)
+    results = {}
+    for version in (1, 2):
+        ok, detail = _attention_matches(fia_a5(q, q_rope, cache, kv_lens, version, nz_cache=True), want)
+        results[f"v{version}"] = ok
+        fact.measured[f"v{version}"] = detail
+    fact.status = "PASS" if all(results.values()) else "FAIL"
+
+
+def check_fia_v2_layouts(fact: Fact, device) -> None:
+    query_lens, kv_lens = [3, 1, 2], [5, 0, 40]
+    cache = paged_cache(kv_lens, 128, device, seed=23)
+    q, q_rope = queries(sum(query_lens), HEADS, device, seed=24)
+    tnd_ok, tnd = _attention_matches(fia_a5(q, q_rope, cache, kv_lens, 2, query_lens=query_lens),
+                                     fia_reference(q, q_rope, cache, kv_lens, query_lens))
+    dq, dq_rope = queries(len(kv_lens), HEADS, device, seed=25)
+    bsnd_ok, bsnd = _attention_matches(fia_a5(dq, dq_rope, cache, kv_lens, 2), fia_reference(dq, dq_rope, cache, kv_lens))
+    fact.measured = {"TND_NTD": tnd, "BSND_NBSD": bsnd}
+    fact.status = "PASS" if tnd_ok and bsnd_ok else "FAIL"
+
+
+def check_masked_verify(fact: Fact, device) -> None:
+    from dcp_compile.lowering.torch.reference import rank_causal_mask
+
+    # rank 1 of 2, token-interleaved: local key i holds global position 2 i + 1; 3 queries a row
+    per_row, kv_lens, prefix = 3, [3, 70, 1], [4, 137, 0]
+    cache = paged_cache(kv_lens, 128, device, seed=26)
+    width = cache.table.shape[1] * cache.block_size
+    positions = torch.arange(width)[None, :].expand(len(kv_lens), width) * 2 + 1
+    q_positions = torch.tensor([p + j for p in prefix for j in range(per_row)])
+    mask, visible = rank_causal_mask(positions, torch.tensor(kv_lens), q_positions, width)
+    q, q_rope = queries(per_row * len(kv_lens), HEADS, device, seed=27)
+    want = masked_reference(q, q_rope, cache, visible.tolist())
+    seen = visible > 0
+    results = {}
+    for version in (1, 2):
+        out, lse = fia_a5(q, q_rope, cache, kv_lens, version, mask=mask.to(device))
+        ok, detail = _attention_matches((out[seen.to(out.device)], lse[seen.to(lse.device)]), (want[0][seen], want[1][seen]))
+        results[f"v{version}"] = ok
+        fact.measured[f"v{version}"] = detail
+    fact.measured["visible"] = visible.tolist()
+    fact.status = "PASS" if all(results.values()) else "FAIL"
+
+
+def check_v2_graph_update_names(fact: Fact, device) -> None:
+    backend = torch.npu
+    kv_lens, new_lens = [5, 130, 0], [7, 1, 64]
+    cache = paged_cache([max(a, b) for a, b in zip(kv_lens, new_lens)], 128, device, seed=28)
+    q, q_rope = queries(len(kv_lens), HEADS, device, seed=29)
+    for _ in range(2):  # warm up
+        fia_a5(q, q_rope, cache, kv_lens, 2, nz_cache=True)
+    graph = backend.NPUGraph()
+    with backend.graph(graph, auto_dispatch_capture=True):
+        out, lse = fia_a5(q, q_rope, cache, kv_lens, 2, nz_cache=True)
+    graph.update(cpu_update_input=[{"actual_seq_kvlen": new_lens}])
+    graph.replay()
+    backend.synchronize()
+    ok, detail = _attention_matches((out, lse), fia_reference(q, q_rope, cache, new_lens))
+    try:
+        graph.update(cpu_update_input=[{"actual_seq_lengths_kv": kv_lens}])
+        refused = "accepted"
+    except Exception as exc:
+        refused = f"refused: {str(exc).splitlines()[0][:120]}"
+    fact.measured = {**detail, "actual_seq_lengths_kv (v1's name, must be refused)": refused}
+    fact.status = "PASS" if ok else "FAIL"
+
+
 def _close(got, want, **tolerance) -> tuple[bool, float]:
     got, want = got.cpu().float(), want.cpu().float()
     finite = torch.isfinite(want)
@@ -402,6 +529,14 @@ FACTS = [
      check_hccl_in_graphs),
     ("torchair-symint-lengths", "torchair with the FIA lengths as SymInt inputs: no recompile per step and the "
                                 "values refreshed (§9.4)", check_torchair_symint_lengths),
+    ("nz-cache", "FIA v1 and v2 read an NZ latent and rope cache [blocks, 1, D/16, 128, 16], LSE included "
+                 "(npu_kv_format='nz'; §11.4, §15.1)", check_nz_cache),
+    ("fia-v2-layouts", "FIA v2 in BSND_NBSD and TND_NTD (cumulative actual_seq_qlen) gives out [N, B, S, D] / "
+                       "[N, T, D] and the LSE in the input layout (fia_version=2; §15.2)", check_fia_v2_layouts),
+    ("masked-verify", "FIA v1 and v2 in BSND with a rank-local causal mask [B, 1, S, W], sparse_mode 0 "
+                      "(npu_verify='mask'; §15.3)", check_masked_verify),
+    ("v2-graph-update-names", "NPUGraph.update refreshes a captured FIA v2 call's actual_seq_kvlen, by v2's name "
+                              "(§9.3, §15.2)", check_v2_graph_update_names),
 ]
 
 

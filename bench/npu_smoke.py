@@ -9,7 +9,10 @@ On NPUs (torch_npu, CANN >= 8.5):
     decode and verify with k = 7, the tiny-512 model in bf16 (dcp_compile.harness.scenario);
   - timing: one MLA decode attention layer at Kimi-K2 shapes (64 heads in all, TP = 2, R = 512,
     P = 64, bf16, FIA block size 128), DCP = 1 and DCP = 2 side by side, replayed from NPU graphs
-    whose FIA lengths are refreshed before every replay; median step time, slowest rank.
+    whose FIA lengths are refreshed before every replay; median step time, slowest rank;
+  - both for each of --combos, the lowering's A5 options side by side (KV format nd|nz, FIA
+    version 1|2, verify split|mask; docs/ascend.md §15): correctness of verify k = 7 per
+    combination, the decode layer's time per (format, version).
 It writes the JSON schema of bench/decode.py (command, date, machine, versions, shapes,
 attention_layer rows), plus the correctness verdicts.
 `--standin` runs the same script on 2 ranks of the emulated NPU (dcp_compile/testing/npu_emulator:
@@ -64,10 +67,14 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=64, help="query heads in all (Kimi-K2: 64)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--combos", default="nd:1:split,nd:2:mask,nz:1:split,nz:2:split,nz:2:mask",
+                   help="npu_kv_format:fia_version:npu_verify combinations to check and time (apply's options)")
     p.add_argument("--standin", action="store_true", help="the emulated NPU and the stand-ins, tiny contexts")
     args = p.parse_args(argv)
+    args.combos = [dict(zip(("npu_kv_format", "fia_version", "npu_verify"), (f, int(v), m)))
+                   for f, v, m in (c.split(":") for c in args.combos.split(",") if c)]
     if args.standin:
-        args.contexts, args.batches, args.block_size, args.replays = "300", "4", 16, 2
+        args.contexts, args.batches, args.block_size, args.replays = "300", "4", 128, 2
     args.contexts = [int(v) for v in args.contexts.split(",") if v]
     args.batches = [int(v) for v in args.batches.split(",") if v]
     return args
@@ -78,17 +85,25 @@ STANDIN_CORRECTNESS = dict(steps=2, contexts=(1, 40, 17))
 test_npu_lowering.py checks the numbers on the emulator at length)."""
 
 
-def correctness(rank: int, world: int, device: str, standin: bool = False) -> list[dict]:
+A5_VERIFY = dict(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=4, contexts=(1, 3, 130, 40), steps=4,
+                 kernels="npu", model="tiny-512", dtype="bfloat16", block_size=128)
+"""Verify k = 7 with FIA blocks of 128 (NZ takes no other), run once per --combos entry."""
+
+
+def correctness(rank: int, world: int, device: str, combos: list[dict], standin: bool = False) -> list[dict]:
+    cases = [(arguments, {}) for arguments in CORRECTNESS] + [(A5_VERIFY, combo) for combo in combos]
+    if standin:  # the script is checked: one short decode case, and the last combination's verify
+        cases = [(CORRECTNESS[0], {}), (A5_VERIFY, combos[-1])] if combos else [(CORRECTNESS[0], {})]
     verdicts = []
-    for arguments in CORRECTNESS[:1] if standin else CORRECTNESS:
+    for arguments, combo in cases:
         if standin:
             arguments = {**arguments, **STANDIN_CORRECTNESS, "batch": len(STANDIN_CORRECTNESS["contexts"])}
-        case = scenarios.Scenario(**arguments, device=device)
+        case = scenarios.Scenario(**arguments, **combo, device=device)
         result = scenarios.run_on_rank(rank, world, case)
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
         verdict = scenarios.summarize(case, gathered)
-        verdicts.append({key: verdict[key] for key in VERDICT_KEYS})
+        verdicts.append({**{key: verdict[key] for key in VERDICT_KEYS}, **combo})
     return verdicts
 
 
@@ -137,7 +152,8 @@ def decode_batch(table: RequestTable, batch: int, context: int, device):
     return step.to(device)
 
 
-def bench_attention_layer(args, dcp_size: int, device, tp) -> list[dict]:
+def bench_attention_layer(args, dcp_size: int, device, tp, options: dict | None = None) -> list[dict]:
+    options = options or {}
     heads_local = args.heads // 2
     rows = []
     for context in args.contexts:
@@ -145,7 +161,8 @@ def bench_attention_layer(args, dcp_size: int, device, tp) -> list[dict]:
             page_size = args.block_size * dcp_size
             capacity = (batch * (-(-context // page_size)) + 1) * page_size
             layer = AttentionLayer(heads_local, 512, 64, capacity, torch.bfloat16, device, tp, page_size)
-            model = dcp_compile.apply(layer, dcp_size, kernels="npu", attention_strategy="gather-q", kv_keep="capacity")
+            model = dcp_compile.apply(layer, dcp_size, kernels="npu", attention_strategy="gather-q", kv_keep="capacity",
+                                      **options)
             table = RequestTable(batch, context, model.dcp_state.kv_pool.capacity, page_size, dcp_size=dcp_size)
             step = decode_batch(table, batch, context, device)
             gen = torch.Generator(device=device).manual_seed(batch * 7 + context)
@@ -156,7 +173,7 @@ def bench_attention_layer(args, dcp_size: int, device, tp) -> list[dict]:
             inputs = (rand(batch, heads_local, 512), rand(batch, heads_local, 64), rand(batch, 512), rand(batch, 64),
                       step.out_loc, step.req_to_token, step.seq_lens, step.q_seq_ids, step.positions)
             stepper = Stepper(model, inputs, step.host, device)
-            rows.append({"dcp_size": dcp_size, "context": context, "batch": batch,
+            rows.append({"dcp_size": dcp_size, "context": context, "batch": batch, **options,
                          "step_seconds": slowest(stepper.median_seconds(args.replays), device),
                          "graph": stepper.graph is not None})
             del model, layer, stepper
@@ -177,11 +194,21 @@ def run(rank: int, world: int, args) -> dict:
                      "torch_npu": None if args.standin else __import__("torch_npu").__version__},
         "shapes": {"heads_total": args.heads, "tp_size": 2, "kv_lora_rank": 512, "rope_dim": 64, "dtype": "torch.bfloat16",
                    "block_size": args.block_size},
-        "correctness": correctness(rank, world, "npu", args.standin),
-        "attention_layer": [row for n in (1, 2) for row in bench_attention_layer(args, n, device, tp)],
+        "correctness": correctness(rank, world, "npu", args.combos, args.standin),
+        "attention_layer": [row for layout in _layouts(args) for n in (1, 2)
+                            for row in bench_attention_layer(args, n, device, tp, layout)],
     }
     result["seconds"] = time.time() - started
     return result
+
+
+def _layouts(args) -> list[dict]:
+    """The (KV format, FIA version) pairs of --combos, each timed once (decode has no verify scheme);
+    --standin: the last only."""
+    pairs = list(dict.fromkeys((c["npu_kv_format"], c["fia_version"]) for c in args.combos)) or [("nd", 1)]
+    if args.standin:
+        pairs = pairs[-1:]
+    return [dict(npu_kv_format=f, fia_version=v) for f, v in pairs]
 
 
 def _spawned(rank: int, world: int, args) -> dict:

@@ -133,8 +133,11 @@ def test_npu_smoke_script_runs_on_the_standins(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     assert {"command", "date", "machine", "versions", "shapes", "attention_layer", "correctness"} <= set(result)
-    assert [v["mode"] for v in result["correctness"]] == ["decode"]  # --standin: the script's check, decode only
+    # --standin: the script's check, one decode case and the last --combos entry's verify (nz, v2, mask)
+    assert [v["mode"] for v in result["correctness"]] == ["decode", "verify"]
+    assert {k: result["correctness"][1][k] for k in ("npu_kv_format", "fia_version", "npu_verify")} == dict(
+        npu_kv_format="nz", fia_version=2, npu_verify="mask")
     assert all(v["tokens_match"] and v["outputs_match"] for v in result["correctness"])
-    assert {(r["dcp_size"], r["context"], r["batch"]) for r in result["attention_layer"]} == {
-        (n, 300, 4) for n in (1, 2)}
+    assert {(r["dcp_size"], r["context"], r["batch"], r["npu_kv_format"], r["fia_version"])
+            for r in result["attention_layer"]} == {(n, 300, 4, "nz", 2) for n in (1, 2)}
     assert all(r["step_seconds"] > 0 for r in result["attention_layer"])

@@ -25,7 +25,7 @@ def test_every_fact_passes_on_the_standins(tmp_path):
     code, result, stderr = _probe("--out", str(out))
     assert code == 0, stderr
     statuses = {fact["name"]: fact["status"] for fact in result["facts"]}
-    assert len(statuses) == 10 and result["failed"] == 0
+    assert len(statuses) == 14 and result["failed"] == 0
     assert statuses == {**{name: "PASS" for name in statuses}, "torchair-symint-lengths": "SKIP"}  # needs torch_npu
     assert json.loads(out.read_text())["facts"] == result["facts"]
     facts = {fact["name"]: fact["measured"] for fact in result["facts"]}
@@ -42,3 +42,10 @@ def test_a_planted_empty_shard_lse_is_reported_and_fails_the_run():
     assert statuses == {"empty-shard-lse": "FAIL", "lse-base": "PASS"}
     assert result["facts"][0]["measured"]["lse_kv_len_0"] == [float("-inf")]
     assert result["plant"] == "empty-shard-lse" and "FAIL" in stderr
+
+
+def test_a_planted_nz_off_by_one_fails_the_nz_fact_only():
+    code, result, stderr = _probe("--plant", "nz-off-by-one", "--only", "nz-cache,fia-v2-layouts")
+    assert code == 1
+    statuses = {fact["name"]: fact["status"] for fact in result["facts"]}
+    assert statuses == {"nz-cache": "FAIL", "fia-v2-layouts": "PASS"}  # the ND v2 layouts read no NZ index

@@ -28,12 +28,14 @@ import triton.language as tl
 from dcp_compile.lowering.triton.attention_tiling import MAX_BLOCK_H, AttentionTiling, choose_tiling
 from dcp_compile.lowering.triton.launching import (
     block_size,
+    cache_offsets,
     cache_parts,
     check_float,
     check_index,
     check_same_device,
     grid_for,
     is_interpreted,
+    row_addressing,
     triton_dtype,
 )
 
@@ -67,7 +69,7 @@ def _attend_splits_kernel(
     stride_split_lse_token, stride_split_lse_split,
     RANK_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, LN2: tl.constexpr,
+    OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, LN2: tl.constexpr, NZ_BLOCK: tl.constexpr,
 ):
     latent_cols = tl.arange(0, BLOCK_R)
     rope_cols = tl.arange(0, BLOCK_P)
@@ -111,11 +113,12 @@ def _attend_splits_kernel(
                 key_position = tl.load(key_positions_row + key * stride_key_positions_col,
                                        mask=key_mask, other=0).to(tl.int64)
                 visible = key_mask & (key_position <= query_position)
-                latent_row_ptr = latent_cache_ptr + row * stride_latent_cache_row
-                rope_row_ptr = rope_cache_ptr + row * stride_rope_cache_row
-                k_latent = tl.load(latent_row_ptr[:, None] + latent_cols[None, :] * stride_latent_cache_col,
+                k_latent = tl.load(latent_cache_ptr + cache_offsets(row[:, None], latent_cols[None, :],
+                                                                    stride_latent_cache_row, stride_latent_cache_col,
+                                                                    NZ_BLOCK),
                                    mask=key_mask[:, None] & latent_mask[None, :], other=0.0).to(OPERAND_DTYPE)
-                k_rope = tl.load(rope_row_ptr[:, None] + rope_cols[None, :] * stride_rope_cache_col,
+                k_rope = tl.load(rope_cache_ptr + cache_offsets(row[:, None], rope_cols[None, :], stride_rope_cache_row,
+                                                                stride_rope_cache_col, NZ_BLOCK),
                                  mask=key_mask[:, None] & rope_mask[None, :], other=0.0).to(OPERAND_DTYPE)
                 scores = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
                 scores = tl.dot(q_latent, tl.trans(k_latent), scores, input_precision=DOT_PRECISION)
@@ -209,8 +212,6 @@ def _check_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, key_position
     tokens, _, rank_dim = q_latent.shape
     rope_dim = q_rope.shape[2]
     parts = cache_parts(kv_cache, rope_cache, rank_dim, rope_dim)
-    if parts[0].dim() != 2:
-        raise ValueError("the Triton partial attention reads [rows, D] cache parts, not the NZ layout (FIA reads that)")
     if page_table.dim() != 2 or key_positions.shape != page_table.shape or seq_lens.shape != page_table.shape[:1]:
         raise ValueError(f"page_table and key_positions must be [B, L] and seq_lens [B]; got {tuple(page_table.shape)}, "
                          f"{tuple(key_positions.shape)}, {tuple(seq_lens.shape)}")
@@ -253,8 +254,8 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
         split_lse, tokens, heads, width, tiling.num_splits, head_tiles, sm_scale / _LN2,
         q_latent.stride(0), q_latent.stride(1), q_latent.stride(2),
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
-        latent_cache.stride(0), latent_cache.stride(1),
-        rope_part.stride(0), rope_part.stride(1),
+        *row_addressing(latent_cache)[:2],
+        *row_addressing(rope_part)[:2],
         page_table.stride(0), page_table.stride(1),
         seq_lens.stride(0),
         key_positions.stride(0), key_positions.stride(1),
@@ -264,7 +265,7 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
         RANK_DIM=rank_dim, ROPE_DIM=rope_dim,
         BLOCK_R=block_size(rank_dim), BLOCK_P=block_size(rope_dim), BLOCK_H=tiling.block_h, BLOCK_N=tiling.block_n,
         OPERAND_DTYPE=tl.float32 if dot_in_fp32 else triton_dtype(kv_cache.dtype),
-        DOT_PRECISION="ieee" if dot_in_fp32 else None, LN2=_LN2,
+        DOT_PRECISION="ieee" if dot_in_fp32 else None, LN2=_LN2, NZ_BLOCK=row_addressing(latent_cache)[2],
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     # Under the interpreter a work item costs Python per op, not registers: one takes every head.
