@@ -603,7 +603,14 @@ see what a lowering's FIA calls cost in copies; clear it at will."""
 
 
 def _fia_kernel(query, key, value, **keyword_args):
-    args = bind_fia_args(query, key, value, keyword_args)
+    return _run_fia(bind_fia_args(query, key, value, keyword_args))
+
+
+def _fia_v2_kernel(query, key, value, **keyword_args):
+    return _run_fia(bind_fia_v2_args(query, key, value, keyword_args))
+
+
+def _run_fia(args: FiaArgs):
     plan = validate_fia(args)
     for name in AUTO_CONTIGUOUS:
         tensor = getattr(args, name)
@@ -626,25 +633,15 @@ def _with_hints(keyword_args: dict) -> dict:
 
 
 def _fia_fake(query, key, value, **keyword_args):
-    plan = validate_fia(bind_fia_args(query, key, value, _with_hints(keyword_args)))
-    return (
-        query.new_empty(plan.attention_out_shape),
-        query.new_empty(plan.softmax_lse_shape, dtype=torch.float32),
-    )
-
-
-def _fia_v2_kernel(query, key, value, **keyword_args):
-    args = bind_fia_v2_args(query, key, value, keyword_args)
-    plan = validate_fia(args)
-    for name in AUTO_CONTIGUOUS:
-        tensor = getattr(args, name)
-        if tensor is not None and not tensor.is_contiguous():
-            contiguous_copies.append((name, tensor.numel() * tensor.element_size()))
-    return _compute_fia(args, plan)
+    return _fake_outputs(query, bind_fia_args(query, key, value, _with_hints(keyword_args)))
 
 
 def _fia_v2_fake(query, key, value, **keyword_args):
-    plan = validate_fia(_hinted(bind_fia_v2_args(query, key, value, keyword_args)))
+    return _fake_outputs(query, _hinted(bind_fia_v2_args(query, key, value, keyword_args)))
+
+
+def _fake_outputs(query, args: FiaArgs):
+    plan = validate_fia(args)
     return (
         query.new_empty(plan.attention_out_shape),
         query.new_empty(plan.softmax_lse_shape, dtype=torch.float32),
