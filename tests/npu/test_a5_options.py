@@ -33,8 +33,9 @@ os.environ.setdefault(devices.EMULATOR_ENV, "1")
 devices.require_torch_npu("the NPU lowering's tests")
 
 BLOCK = 128
-# prefill (one request crossing a block), decode, verify k = 3 (equal rows: the masked verify serves them)
-STEPS = [[[5] * 9, [6] * 140, [7]], [[1], [2], [3]], [[1, 2, 3], [4, 5, 6], [7, 8, 9]]]
+# prefill (one request crossing a block), decode, verify k = 3 and 16 (equal rows: the masked verify serves them)
+STEPS = [[[5] * 9, [6] * 140, [7]], [[1], [2], [3]], [[1, 2, 3], [4, 5, 6], [7, 8, 9]],
+         [list(range(16)), list(range(16, 32)), list(range(32, 48))]]
 ALL = [dict(npu_kv_format=f, fia_version=v, npu_verify=m) for f, v, m in itertools.product(("nd", "nz"), (1, 2),
                                                                                             ("split", "mask"))]
 COMBOS = [ALL[7]]
