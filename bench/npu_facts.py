@@ -233,16 +233,28 @@ def check_masked_verify(fact: Fact, device) -> None:
     fact.status = "PASS" if all(results.values()) else "FAIL"
 
 
+GRAPH_KV_LENS, GRAPH_NEW_KV_LENS = [5, 130, 0], [7, 1, 64]
+"""The decode lengths a captured FIA call is recorded with, and those the update pushes."""
+
+
+def _captured_decode(device, run, seed: int):
+    """(graph, (out, lse), q, q_rope, cache): `run(q, q_rope, cache, kv_lens)` captured in an NPU
+    graph after two warm-up calls, with GRAPH_KV_LENS."""
+    cache = paged_cache([max(a, b) for a, b in zip(GRAPH_KV_LENS, GRAPH_NEW_KV_LENS)], 128, device, seed=seed)
+    q, q_rope = queries(len(GRAPH_KV_LENS), HEADS, device, seed=seed + 1)
+    for _ in range(2):  # warm up
+        run(q, q_rope, cache, GRAPH_KV_LENS)
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph, auto_dispatch_capture=True):
+        outputs = run(q, q_rope, cache, GRAPH_KV_LENS)
+    return graph, outputs, q, q_rope, cache
+
+
 def check_v2_graph_update_names(fact: Fact, device) -> None:
     backend = torch.npu
-    kv_lens, new_lens = [5, 130, 0], [7, 1, 64]
-    cache = paged_cache([max(a, b) for a, b in zip(kv_lens, new_lens)], 128, device, seed=28)
-    q, q_rope = queries(len(kv_lens), HEADS, device, seed=29)
-    for _ in range(2):  # warm up
-        fia_a5(q, q_rope, cache, kv_lens, 2, nz_cache=True)
-    graph = backend.NPUGraph()
-    with backend.graph(graph, auto_dispatch_capture=True):
-        out, lse = fia_a5(q, q_rope, cache, kv_lens, 2, nz_cache=True)
+    kv_lens, new_lens = GRAPH_KV_LENS, GRAPH_NEW_KV_LENS
+    graph, (out, lse), q, q_rope, cache = _captured_decode(
+        device, lambda *a: fia_a5(*a, 2, nz_cache=True), seed=28)
     graph.update(cpu_update_input=[{"actual_seq_kvlen": new_lens}])
     graph.replay()
     backend.synchronize()
@@ -403,14 +415,8 @@ def check_strided_keys(fact: Fact, device) -> None:
 
 def check_graph_update_names(fact: Fact, device) -> None:
     backend = torch.npu
-    kv_lens, new_lens = [5, 130, 0], [7, 1, 64]
-    cache = paged_cache([max(a, b) for a, b in zip(kv_lens, new_lens)], 128, device, seed=13)
-    q, q_rope = queries(len(kv_lens), HEADS, device, seed=14)
-    for _ in range(2):  # warm up
-        fia(q, q_rope, cache, kv_lens)
-    graph = backend.NPUGraph()
-    with backend.graph(graph, auto_dispatch_capture=True):
-        out, lse = fia(q, q_rope, cache, kv_lens)
+    kv_lens, new_lens = GRAPH_KV_LENS, GRAPH_NEW_KV_LENS
+    graph, (out, lse), q, q_rope, cache = _captured_decode(device, fia, seed=13)
     graph.update(cpu_update_input=[{"actual_seq_lengths_kv": new_lens}])
     graph.replay()
     backend.synchronize()

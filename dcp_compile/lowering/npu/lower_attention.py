@@ -149,7 +149,7 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         self._masks: dict[int, tuple[fx.Node, fx.Node]] = {}
 
     def split(self, config: PassConfig, site: sites.PoolAttention) -> bool:
-        return self.options.verify != "mask" or self.split_site(site)
+        return self.options.verify != "mask" or self._unmaskable(site)
 
     def block_size(self, config: PassConfig) -> int:
         # apply() checked the deployment's rule (DCPConfig.fia_block_sizes); here only FIA's outer bound.
@@ -160,12 +160,14 @@ class LowerNPUAttention(paged.PagedAttentionPass):
             self._views[site.cache] = (self._nz_views(graph, site, block_size) if self.options.kv_format == "nz"
                                        else self._paged_views(graph, site, block_size))
         mask = None
-        if not decode and self.options.verify == "mask" and not self.split_site(site):
+        if not decode and self.options.verify == "mask" and not self._unmaskable(site):
             mask = self._mask(graph, site, host, block_size)
         return self._fia(graph, site, q_latent, q_rope, host, block_table, self._views[site.cache], block_size, decode,
                          self.options.fia_version, mask)
 
-    def split_site(self, site) -> bool:
+    @staticmethod
+    def _unmaskable(site) -> bool:
+        """Whether the masked verify cannot serve this site's rows (unequal, or more than 16 queries)."""
         return masked_rows(fake_value(site.q_latent).shape[0], fake_value(site.req_to_token).shape[0]) is None
 
     def _mask(self, graph, site, host: paged.HostPlaceholders, block_size: int) -> tuple[fx.Node, fx.Node]:
@@ -249,8 +251,8 @@ class LowerNPUAttention(paged.PagedAttentionPass):
                        [tokens, all_heads])
         else:
             lse = call(graph, aten.view.default, lse, [tokens, all_heads])
-        if mask is not None:
-            out, lse = LowerNPUAttention._mask_unseen(graph, mask[1], out, lse)
+        if mask is not None:  # the tokens whose mask admits no key
+            out, lse = LowerNPUAttention._zero_unseen(graph, mask[1], out, lse)
         else:
             out, lse = LowerNPUAttention._mask_empty(graph, site, out, lse, decode)
         if all_heads != heads:
@@ -259,9 +261,9 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         return out, lse
 
     @staticmethod
-    def _mask_unseen(graph, visible, out, lse):
-        """_mask_empty for the masked verify: the tokens whose mask admits no key."""
-        empty = call(graph, aten.unsqueeze.default, call(graph, aten.eq.Scalar, visible, 0), 1)
+    def _zero_unseen(graph, counts, out, lse):
+        """Out 0 and lse -inf for the tokens whose key count is 0."""
+        empty = call(graph, aten.unsqueeze.default, call(graph, aten.eq.Scalar, counts, 0), 1)
         lse = call(graph, aten.masked_fill.Scalar, lse, empty, float("-inf"))
         out = call(graph, aten.masked_fill.Scalar, out, call(graph, aten.unsqueeze.default, empty, 2), 0.0)
         return out, lse
@@ -274,10 +276,7 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         positions = None if decode else paged.site_key_positions(graph, site)
         counts = call(graph, targets.PREFIX_KEY_COUNTS, site.local_lens, positions, site.q_seq_ids, site.q_positions,
                       decode)
-        empty = call(graph, aten.unsqueeze.default, call(graph, aten.eq.Scalar, counts, 0), 1)
-        lse = call(graph, aten.masked_fill.Scalar, lse, empty, float("-inf"))
-        out = call(graph, aten.masked_fill.Scalar, out, call(graph, aten.unsqueeze.default, empty, 2), 0.0)
-        return out, lse
+        return LowerNPUAttention._zero_unseen(graph, counts, out, lse)
 
     @staticmethod
     def _lower_merge(graph, node: fx.Node) -> None:

@@ -164,6 +164,8 @@ MLA_MAX_QUERIES_PER_REQUEST = 16
 MLA_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_NBSD", "BSND_NBSD", "BSH_NBSD", "TND", "TND_NTD")
 IMPLEMENTED_LAYOUTS = ("BSND", "BNSD", "TND", "BSND_NBSD", "TND_NTD")
 NZ_FORBIDDEN_LAYOUTS = ("BNSD", "BNSD_NBSD")  # docs/ascend.md §11.4
+# The NZ layout is restated here rather than taken from runtime/nz.py: FIA's read of it is a
+# model of its own, so that an NZ index the project's writers get wrong fails the comparisons.
 NZ_BLOCK_SIZE = 128  # docs/ascend.md §11.4: "16 or 128, not 16 with NZ"
 NZ_GROUP = 16
 MLA_SPARSE_MODES = (0, 3, 4)
@@ -622,18 +624,8 @@ def _run_fia(args: FiaArgs):
 _HOST_LIST_ARGUMENTS = ("actual_seq_lengths", "actual_seq_lengths_kv")
 
 
-def _with_hints(keyword_args: dict) -> dict:
-    """Host lengths traced as SymInts (graph inputs an NPU graph refreshes) are checked at their
-    example values: comparing the SymInts themselves would add guards that specialise them."""
-    hinted = dict(keyword_args)
-    for name in _HOST_LIST_ARGUMENTS:
-        if hinted.get(name) is not None:
-            hinted[name] = [v.node.hint if isinstance(v, torch.SymInt) else v for v in hinted[name]]
-    return hinted
-
-
 def _fia_fake(query, key, value, **keyword_args):
-    return _fake_outputs(query, bind_fia_args(query, key, value, _with_hints(keyword_args)))
+    return _fake_outputs(query, _hinted(bind_fia_args(query, key, value, keyword_args)))
 
 
 def _fia_v2_fake(query, key, value, **keyword_args):
@@ -649,7 +641,8 @@ def _fake_outputs(query, args: FiaArgs):
 
 
 def _hinted(args: FiaArgs) -> FiaArgs:
-    """_with_hints on bound arguments."""
+    """Host lengths traced as SymInts (graph inputs an NPU graph refreshes) are checked at their
+    example values: comparing the SymInts themselves would add guards that specialise them."""
     hinted = {name: [v.node.hint if isinstance(v, torch.SymInt) else v for v in getattr(args, name)]
               for name in _HOST_LIST_ARGUMENTS if getattr(args, name) is not None}
     return dataclasses.replace(args, **hinted)
@@ -669,7 +662,7 @@ def _fia_out_kernel(query, key, value, *, attention_out, softmax_lse, workspace=
 
 
 def _fia_out_fake(query, key, value, *, attention_out, softmax_lse, workspace=None, **keyword_args):
-    args = bind_fia_args(query, key, value, _with_hints(keyword_args))
+    args = _hinted(bind_fia_args(query, key, value, keyword_args))
     _check_out_buffers(args, validate_fia(args), attention_out, softmax_lse)
     return attention_out, softmax_lse
 
