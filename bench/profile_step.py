@@ -42,7 +42,7 @@ CLASSES = (
     ("attention", ("flashinfer", "batchmla", "mla_", "_partial_attention", "window", "merge_splits")),
     ("dcp kernels", ("_kv_write", "guard", "local_metadata", "pack_partials", "merge_partials")),
     ("collectives", ("nccl",)),
-    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "cublas", "splitk", "bmm")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "cublas", "splitk", "bmm", "skinny", "split_sum")),
     ("inductor fused", ("triton_",)),
     ("aten elementwise", ("elementwise", "vectorized", "reduce", "index", "copy", "fill", "cat", "scatter", "gather")),
 )
@@ -55,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--cases", default="1:4:131072,1:16:131072,7:4:131072", help="k:batch:context,...")
     p.add_argument("--layers", type=int, default=61)
     p.add_argument("--fuse-projections", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--skinny-matmuls", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--replays", type=int, default=5)
     p.add_argument("--top", type=int, default=25, help="kernels listed per case")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 tiny layers, torch kernels: checks the script")
@@ -192,8 +193,9 @@ def main(argv=None) -> int:
     original = MLAKVPool._allocate
     MLAKVPool._allocate = shared_kv_allocate
     try:
-        model, compiled = step_bench.build(args, cfg, args.lowering, args.inner, device, tp)
+        model, compiled = step_bench.build(args, cfg, args.lowering, args.inner, args.skinny_matmuls, device, tp)
         result["fuse_projections"] = dcp_compile.state(compiled).config.fuse_projections
+        result["skinny_matmuls"] = dcp_compile.state(compiled).config.skinny_matmuls
         width = max(args.contexts)
         for index, (k, batch, context) in enumerate(args.cases):
             first = step_bench.run_case(compiled, batch, context, k, width, device,

@@ -62,12 +62,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/step.json")
     p.add_argument("--combos", default="flashinfer:inductor,flashinfer:eager,triton:inductor,triton:eager",
-                   help="lowering:inner_compile pairs")
+                   help="lowering:inner_compile pairs, each optionally :on or :off for skinny_matmuls (default "
+                        "--skinny-matmuls), e.g. flashinfer:inductor:on,flashinfer:inductor:off side by side")
     p.add_argument("--contexts", default="32768,131072")
     p.add_argument("--decode-batches", default="4,16,64")
     p.add_argument("--verify-batches", default="4,16")
     p.add_argument("--fuse-projections", default="auto", choices=("auto", "on", "off"),
                    help="apply(..., fuse_projections=): fuse q_a with kv_a and gate with up (auto: on, on CUDA)")
+    p.add_argument("--skinny-matmuls", default="auto", choices=("auto", "on", "off"),
+                   help="apply(..., skinny_matmuls=): few-token projections through the Triton skinny matmul (auto: on, on CUDA)")
     p.add_argument("--draft", type=int, default=7)
     p.add_argument("--layers", type=int, default=61)
     p.add_argument("--replays", type=int, default=6)
@@ -76,14 +79,21 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=1e9, help="no new combination starts after this many seconds")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 tiny layers, torch kernels: checks the script")
     args = p.parse_args(argv)
-    args.combos = [tuple(c.split(":")) for c in args.combos.split(",") if c]
+    args.combos = [_combo(c, args.skinny_matmuls) for c in args.combos.split(",") if c]
     for name in ("contexts", "decode_batches", "verify_batches"):
         setattr(args, name, [int(v) for v in getattr(args, name).split(",") if v])
     if args.smoke:
-        args.combos = [("torch", "eager")]
+        args.combos = [("torch", "eager", "auto")]
         args.contexts, args.decode_batches, args.verify_batches, args.layers = [256], [2], [2], 2
         args.replays, args.repeats = 2, 1
     return args
+
+
+def _combo(text: str, skinny_default: str) -> tuple[str, str, str]:
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("auto", "on", "off")):
+        raise SystemExit(f"--combos: {text!r} is not lowering:inner_compile[:auto|on|off]")
+    return (parts[0], parts[1], parts[2] if len(parts) == 3 else skinny_default)
 
 
 def cases(args) -> list[tuple[int, int, int]]:
@@ -127,11 +137,11 @@ def timed_first_call(fn, device) -> float:
     return time.perf_counter() - started
 
 
-def build(args, cfg, lowering: str, inner: str, device, tp):
+def build(args, cfg, lowering: str, inner: str, skinny: str, device, tp):
     model = MLAModel(cfg, kv_capacity=capacity(args), max_requests=max(args.decode_batches + args.verify_batches), par=tp,
                      dtype=torch.bfloat16, device=device, page_size=page_size(1))
     compiled = dcp_compile.apply(model, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=lowering,
-                                 inner_compile=inner, fuse_projections=args.fuse_projections)
+                                 inner_compile=inner, fuse_projections=args.fuse_projections, skinny_matmuls=skinny)
     fill_random(model.kv_pool.cache(0))
     return model, compiled
 
@@ -185,19 +195,25 @@ def attention_layer_seconds(args, cfg, lowering: str, device, tp, timer) -> dict
     return out
 
 
-def bench_combo(args, cfg, lowering: str, inner: str, device, tp, result: dict) -> None:
-    """Time one (lowering, inner compiler) into `result` (which holds the run's copy and matmul rates)."""
+def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, result: dict, attention_cache: dict) -> None:
+    """Time one (lowering, inner compiler, skinny_matmuls) into `result` (which holds the run's copy
+    and matmul rates); the attention layer is timed once per lowering."""
     timer = Timer(device, args.replays, repeats=args.repeats)
-    attention = attention_layer_seconds(args, cfg, lowering, device, tp, timer)
+    if lowering not in attention_cache:
+        attention_cache[lowering] = attention_layer_seconds(args, cfg, lowering, device, tp, timer)
+    attention = attention_cache[lowering]
     started = time.perf_counter()
-    model, compiled = build(args, cfg, lowering, inner, device, tp)
+    model, compiled = build(args, cfg, lowering, inner, skinny, device, tp)
+    resolved = dcp_compile.state(compiled).config
     build_seconds = time.perf_counter() - started
     weights = weight_bytes_and_params(model)
     width = max(args.contexts)
-    compile_row = {"lowering": lowering, "inner_compile": inner, "model_build_seconds": build_seconds}
+    compile_row = {"lowering": lowering, "inner_compile": inner, "skinny_matmuls": resolved.skinny_matmuls,
+                   "model_build_seconds": build_seconds}
     for k, batch, context in cases(args):
         row = {"lowering": lowering, "inner_compile": inner, "context": context, "batch": batch, "k": k,
-               "layers": cfg.num_layers, "fuse_projections": dcp_compile.state(compiled).config.fuse_projections}
+               "layers": cfg.num_layers, "fuse_projections": resolved.fuse_projections,
+               "skinny_matmuls": resolved.skinny_matmuls}
         try:
             row["compile_seconds"] = run_case(compiled, batch, context, k, width, device,
                                               lambda fn: timed_first_call(fn, device))
@@ -212,18 +228,19 @@ def bench_combo(args, cfg, lowering: str, inner: str, device, tp, result: dict) 
         row["attention_seconds"] = attention[(k, batch, context)] * cfg.num_mla_layers
         row["rest_seconds"] = row["step_seconds"] - row["attention_seconds"]
         result["cases"].append(row)
-        print(f"{lowering:>10} {inner:>8} ctx {context:>6} b {batch:>3} k {k} step {row['step_seconds'] * 1e3:8.2f} ms "
+        print(f"{lowering:>10} {inner:>8} skinny {resolved.skinny_matmuls:>3} ctx {context:>6} b {batch:>3} k {k} step {row['step_seconds'] * 1e3:8.2f} ms "
               f"floor {row['floor_seconds'] * 1e3:7.2f} ms ({row['fraction_of_floor']:.0%}) attention "
               f"{row['attention_seconds'] * 1e3:7.2f} ms, first call {row.get('compile_seconds', float('nan')):6.1f} s "
               f"{row.get('error', '')}", flush=True)
-    first = next(r for r in result["cases"] if (r["lowering"], r["inner_compile"]) == (lowering, inner))
+    first = next(r for r in result["cases"] if (r["lowering"], r["inner_compile"], r["skinny_matmuls"])
+                 == (lowering, inner, resolved.skinny_matmuls))
     compile_row["cold_seconds"] = first.get("compile_seconds")
     del compiled, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if not args.no_warm:
         torch._dynamo.reset()
-        model, compiled = build(args, cfg, lowering, inner, device, tp)
+        model, compiled = build(args, cfg, lowering, inner, skinny, device, tp)
         k, batch, context = cases(args)[0]
         compile_row["warm_seconds"] = run_case(compiled, batch, context, k, width, device,
                                                lambda fn: timed_first_call(fn, device))
@@ -232,7 +249,7 @@ def bench_combo(args, cfg, lowering: str, inner: str, device, tp, result: dict) 
             torch.cuda.empty_cache()
     torch._dynamo.reset()
     result["compile"].append(compile_row)
-    print(f"{lowering:>10} {inner:>8} compile: cold {compile_row['cold_seconds']:.1f} s, warm "
+    print(f"{lowering:>10} {inner:>8} skinny {resolved.skinny_matmuls:>3} compile: cold {compile_row['cold_seconds']:.1f} s, warm "
           f"{compile_row.get('warm_seconds', float('nan')):.1f} s", flush=True)
 
 
@@ -303,11 +320,12 @@ def main(argv=None) -> int:
     original = MLAKVPool._allocate
     MLAKVPool._allocate = shared_kv_allocate
     try:
-        for lowering, inner in args.combos:
+        attention_cache = {}
+        for lowering, inner, skinny in args.combos:
             if time.time() - started > args.budget_s:
-                result.setdefault("skipped", []).append(f"{lowering}:{inner} (budget)")
+                result.setdefault("skipped", []).append(f"{lowering}:{inner}:{skinny} (budget)")
                 continue
-            bench_combo(args, cfg, lowering, inner, device, tp, result)
+            bench_combo(args, cfg, lowering, inner, skinny, device, tp, result, attention_cache)
             save()
     finally:
         MLAKVPool._allocate = original

@@ -31,6 +31,7 @@ def pass_config(config: DCPConfig, parallel: ParallelState, strategy: str, page_
         debug_checks=config.debug_checks,
         attention_strategy=strategy,
         fuse_projections=config.fuse_projections == "on",
+        skinny_matmuls=config.skinny_matmuls == "on",
         page_size=page_size,
     )
 

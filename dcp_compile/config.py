@@ -8,6 +8,7 @@ from dataclasses import dataclass
 INNER_COMPILERS = ("auto", "eager", "inductor", "torchair")
 FIA_BLOCK_SIZE_RULES = ("cann-2025", "cann-2026")
 FUSE_PROJECTIONS = ("auto", "on", "off")
+SKINNY_MATMULS = ("auto", "on", "off")
 NPU_KV_FORMATS = ("nd", "nz")
 FIA_VERSIONS = (1, 2)
 NPU_VERIFY_SCHEMES = ("split", "mask")
@@ -68,6 +69,13 @@ class DCPConfig:
     'off'; 'auto' (default): on where the KV pool is on a CUDA device, where it was measured to pay,
     off elsewhere. apply() records what it resolved here."""
 
+    skinny_matmuls: str = "auto"
+    """'on': the projections (bias-free linears) and MLA's absorbed per-head products run through
+    the skinny-matmul Triton kernel when a step has at most 64 tokens, and cuBLAS above
+    (lowering/triton/lower_projections.py; back ends that run the Triton kernels, on CUDA);
+    'off': cuBLAS always; 'auto' (default): on where the KV pool is on a CUDA device, off
+    elsewhere. apply() records what it resolved here."""
+
     attention_strategy: str = "auto"
     """'gather-q', 'gather-kv', or 'auto': the cost model picks per batch (dcp_compile.cost_model).
     A model whose heads are not split (tp_size 1, dcp_size up to the world size) runs
@@ -107,6 +115,8 @@ class DCPConfig:
             raise ValueError(f"npu_verify must be one of {NPU_VERIFY_SCHEMES}, got {self.npu_verify!r}")
         if self.fuse_projections not in FUSE_PROJECTIONS:
             raise ValueError(f"fuse_projections must be one of {FUSE_PROJECTIONS}, got {self.fuse_projections!r}")
+        if self.skinny_matmuls not in SKINNY_MATMULS:
+            raise ValueError(f"skinny_matmuls must be one of {SKINNY_MATMULS}, got {self.skinny_matmuls!r}")
         if not isinstance(self.debug_checks, bool):
             raise ValueError(f"debug_checks must be True or False, got {self.debug_checks!r}")
         if self.attention_strategy not in ("auto", "gather-q", "gather-kv", "replicated-q"):
@@ -121,6 +131,8 @@ class DCPConfig:
             config = config.replace(inner_compile=lowering.inner_compile(pool))
         if config.fuse_projections == "auto":
             config = config.replace(fuse_projections="on" if pool.device.type == "cuda" else "off")
+        if config.skinny_matmuls == "auto":
+            config = config.replace(skinny_matmuls="on" if pool.device.type == "cuda" else "off")
         return config
 
     def check_options(self, lowering) -> None:

@@ -35,7 +35,7 @@ def default_passes(lowering_passes=(), front_end_passes=()) -> list[GraphPass]:
     """The pipeline: a front end's passes (which turn a known model family's attention into the
     canonical ops, dcp_compile/hf), the DCP passes, a back end's lowering passes, cleanup, verify."""
     return [*front_end_passes, CheckLocations(), CheckMetadata(), GuardBatch(), ShardKVWrite(), LocalMetadata(), GatherQAttention(),
-            ReplicatedQAttention(), GatherKVAttention(), *lowering_passes, FuseProjections(), Cleanup(), Verify()]
+            ReplicatedQAttention(), GatherKVAttention(), FuseProjections(), *lowering_passes, Cleanup(), Verify()]
 
 
 PASS_NAMES = tuple(p.name for p in default_passes())

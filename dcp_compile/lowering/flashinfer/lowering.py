@@ -11,6 +11,7 @@ from dcp_compile.lowering.flashinfer.lower_attention import LowerFlashInferAtten
 from dcp_compile.lowering.flashinfer.plans import PLAN_SPECS, FlashInferFeed
 from dcp_compile.ops.targets import WINDOW_QUERIES
 from dcp_compile.lowering.triton.lower_kernels import LowerKernels
+from dcp_compile.lowering.triton.lower_projections import LowerProjections
 from dcp_compile.runtime import layout
 
 
@@ -57,7 +58,7 @@ class FlashInferLowering(Lowering):
         return strategy == "gather-q"
 
     def passes(self) -> list:
-        return [LowerFlashInferAttention(), LowerKernels(devices=("cuda",))]
+        return [LowerFlashInferAttention(), LowerKernels(devices=("cuda",)), LowerProjections(devices=("cuda",))]
 
     def host_feed(self, gm: fx.GraphModule, dcp_rank: int):
         return FlashInferFeed(gm, dcp_rank) if gm.meta.get(PLAN_SPECS) else None

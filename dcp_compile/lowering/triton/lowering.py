@@ -5,6 +5,7 @@ from __future__ import annotations
 from dcp_compile.lowering import triton as triton_kernels
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.lowering.triton.lower_kernels import LowerKernels
+from dcp_compile.lowering.triton.lower_projections import LowerProjections
 
 
 class TritonLowering(Lowering):
@@ -20,7 +21,7 @@ class TritonLowering(Lowering):
         return super().unsupported_reason(pool, config)
 
     def passes(self) -> list:
-        return [LowerKernels()]
+        return [LowerKernels(), LowerProjections(devices=("cuda",))]
 
     def inner_compile(self, pool) -> str:
         # On CUDA inductor compiles the model around the attention kernels: a 61-layer Kimi-K2

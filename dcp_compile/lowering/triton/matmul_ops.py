@@ -1,0 +1,62 @@
+"""`dcp_triton::skinny_linear` and `dcp_triton::head_matmul`: a linear and MLA's absorbed per-head
+product, run by the skinny-matmul Triton kernel (skinny_matmul.py) when they have few rows, by
+torch otherwise. The lower_projections pass swaps the model's F.linear / einsum for them.
+
+    skinny_linear(x [..., K], weight [N, K]) -> [..., N]                  F.linear(x, weight)
+    head_matmul(x [T, H, K], weight [H, K, N]) -> [T, H, N]               einsum("thk,hkn->thn")
+
+The choice is made per call from the row count, so one graph whose token count is symbolic serves
+a decode step (a few rows: the kernel) and a prefill (many: cuBLAS). Where the operands' layout or
+dtype is not one the kernel reads, torch runs: an op never fails where the product it replaces
+would have run. Triton is imported only when the kernel first runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _kernel_reads(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    from dcp_compile.lowering.triton.skinny_matmul import MAX_ROWS
+
+    return (0 < rows <= MAX_ROWS and x.dtype == weight.dtype and x.dtype in KERNEL_DTYPES
+            and x.device == weight.device and x.stride(-1) == 1 and 1 in (weight.stride(-1), weight.stride(-2)))
+
+
+@torch.library.custom_op("dcp_triton::skinny_linear", mutates_args=(), device_types=("cuda", "cpu"))
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows, k = x.numel() // max(x.shape[-1], 1), x.shape[-1]
+    if weight.dim() != 2 or not _kernel_reads(x, weight, rows):
+        return torch.nn.functional.linear(x, weight)
+    try:
+        flat = x.view(1, rows, k)
+    except RuntimeError:  # leading dims that do not flatten without a copy
+        return torch.nn.functional.linear(x, weight)
+    from dcp_compile.lowering.triton.skinny_matmul import skinny_matmul_into
+
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    skinny_matmul_into(out.view(1, rows, weight.shape[0]), flat, weight.t().unsqueeze(0))
+    return out
+
+
+@skinny_linear.register_fake
+def _(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("dcp_triton::head_matmul", mutates_args=(), device_types=("cuda", "cpu"))
+def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 3 or weight.dim() != 3 or not _kernel_reads(x, weight, x.shape[0]):
+        return torch.einsum("thk,hkn->thn", x, weight)
+    from dcp_compile.lowering.triton.skinny_matmul import skinny_matmul_into
+
+    out = torch.empty((x.shape[0], x.shape[1], weight.shape[2]), dtype=x.dtype, device=x.device)
+    skinny_matmul_into(out.transpose(0, 1), x.transpose(0, 1), weight)  # heads as the batch: no copies
+    return out
+
+
+@head_matmul.register_fake
+def _(x, weight):
+    return x.new_empty((x.shape[0], x.shape[1], weight.shape[2]))

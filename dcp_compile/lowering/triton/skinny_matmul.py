@@ -1,0 +1,161 @@
+"""Matmuls of a few rows against a large weight: a decode step's projections and MLA's absorbed
+W_UK / W_UV, read at the memory rate.
+
+    out[b, m, n] = sum_k x[b, m, k] * w[b, k, n]        M (tokens) <= MAX_ROWS; B = 1 for a linear
+
+At a decode step a projection is a matrix-vector product: it reads its weight once for a few
+tokens, so its floor is the weight's bytes at the copy rate. cuBLAS's kernels for these shapes
+reach 42-80% of it on an H200 (a wide-K, narrow-N weight like q_a+kv_a 52%, the per-head
+W_UK/W_UV bmm 42%: bench/results/skinny_matmul_h200.json); this kernel tiles N across the GPU,
+splits K where N alone gives too few programs, and sums the split partials in a second small
+kernel (deterministic: no atomics).
+
+Any strides: x's K and out's N must be unit-stride, w either K- or N-unit-stride (a linear's
+weight [N, K] seen as [K, N], or an einsum's [B, K, N]), so both the linear and the per-head
+einsum read their operands where they lie and write the output in the layout its users read:
+no permute copies between kernels.
+
+Under TRITON_INTERPRET the dot runs in fp32 (the interpreter's tl.dot multiplies the raw bits of
+bf16: triton-lang/triton#11584), as in attention.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dcp_compile.lowering.triton.launching import is_interpreted
+
+MAX_ROWS = 64
+"""The most rows (tokens) this kernel takes; above, a GEMM is no longer bound by its weight read."""
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    splits: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit(do_not_specialize=["M", "k_per_split"])
+def _skinny_matmul_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
+    stride_xb, stride_xm, stride_wb, stride_w, stride_ob, stride_om, stride_os,
+    W_K_CONTIGUOUS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid_n, pid_s, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_mask, col_mask = rows < M, cols < N
+    x_base = x_ptr + pid_b.to(tl.int64) * stride_xb + rows[:, None] * stride_xm
+    if W_K_CONTIGUOUS:  # w[k, n] at n * stride_w + k
+        w_base = w_ptr + pid_b.to(tl.int64) * stride_wb + cols[None, :].to(tl.int64) * stride_w
+    else:  # w[k, n] at k * stride_w + n
+        w_base = w_ptr + pid_b.to(tl.int64) * stride_wb + cols[None, :]
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + ks
+        k_mask = k < k_hi
+        x = tl.load(x_base + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if W_K_CONTIGUOUS:
+            w = tl.load(w_base + k[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        else:
+            w = tl.load(w_base + k[:, None].to(tl.int64) * stride_w, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    out = out_ptr + pid_s.to(tl.int64) * stride_os + pid_b.to(tl.int64) * stride_ob + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "splits", "elements"])
+def _split_sum_kernel(part_ptr, out_ptr, M, N, splits, elements, stride_ob, stride_om, BLOCK: tl.constexpr):
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = e < elements
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(part_ptr + s * elements + e, mask=mask, other=0.0)
+    b, m, n = e // (M * N), (e // N) % M, e % N
+    tl.store(out_ptr + b * stride_ob + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def block_rows(rows: int) -> int:
+    return max(16, triton.next_power_of_2(rows))  # tl.dot's smallest M
+
+
+def choose(rows: int, n: int, k: int, batch: int, programs_wanted: int) -> SkinnyConfig:
+    """A config for out [batch, rows, n] = x [batch, rows, k] @ w [batch, k, n]: the widest N tile
+    that, with K split in at most 8, puts `programs_wanted` programs on the GPU (a few per SM, so
+    that enough weight loads are in flight to keep the memory busy)."""
+    for block_n in (64, 32, 16):
+        tiles = batch * triton.cdiv(n, block_n)
+        if tiles >= programs_wanted:
+            return SkinnyConfig(block_n, 256 if k >= 1024 else 128, 1)
+    block_n = 16
+    tiles = batch * triton.cdiv(n, block_n)
+    block_k = 256
+    splits = max(1, min(8, triton.cdiv(programs_wanted, tiles), triton.cdiv(k, block_k)))
+    return SkinnyConfig(block_n, block_k, splits)
+
+
+def programs_wanted(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def skinny_matmul_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """out [B, M, N] = x [B, M, K] @ w [B, K, N] (views of any strides, under the unit-stride rules
+    of the module docstring); returns out."""
+    if x.dim() != 3 or w.dim() != 3 or out.dim() != 3:
+        raise ValueError(f"skinny_matmul takes x [B, M, K], w [B, K, N], out [B, M, N]; got "
+                         f"{tuple(x.shape)}, {tuple(w.shape)}, {tuple(out.shape)}")
+    batch, rows, k = x.shape
+    n = w.shape[2]
+    if w.shape[:2] != (batch, k) or out.shape != (batch, rows, n):
+        raise ValueError(f"skinny_matmul: shapes do not chain: x {tuple(x.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}")
+    if rows > MAX_ROWS:
+        raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows, got {rows}")
+    if x.stride(2) != 1 or out.stride(2) != 1 or (w.stride(1) != 1 and w.stride(2) != 1):
+        raise ValueError(f"skinny_matmul needs x's K, out's N and one of w's dims unit-stride; strides x {x.stride()}, "
+                         f"w {w.stride()}, out {out.stride()}")
+    if rows == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    config = config or choose(rows, n, k, batch, programs_wanted(x.device))
+    w_k_contiguous = w.stride(1) == 1 and not (w.stride(2) == 1 and k == 1)
+    stride_w = w.stride(2) if w_k_contiguous else w.stride(1)
+    k_per_split = triton.cdiv(triton.cdiv(k, config.splits), config.block_k) * config.block_k
+    splits = triton.cdiv(k, k_per_split)
+    target = out if splits == 1 else torch.empty((splits, batch, rows, n), dtype=torch.float32, device=x.device)
+    stride_ob, stride_om = target.stride(-3), target.stride(-2)
+    stride_os = target.stride(0) if splits > 1 else 0
+    grid = (triton.cdiv(n, config.block_n), splits, batch)
+    _skinny_matmul_kernel[grid](
+        x, w, target, rows, n, k, k_per_split,
+        x.stride(0), x.stride(1), w.stride(0), stride_w, stride_ob, stride_om, stride_os,
+        W_K_CONTIGUOUS=w_k_contiguous, BLOCK_M=block_rows(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        DOT_FP32=x.dtype == torch.float32 or is_interpreted(_skinny_matmul_kernel),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        elements, block = batch * rows * n, 1024
+        _split_sum_kernel[(triton.cdiv(elements, block),)](
+            target, out, rows, n, splits, elements, out.stride(0), out.stride(1), BLOCK=block)
+    return out
+
+
+def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+    out = torch.empty((x.shape[0], x.shape[1], w.shape[2]), dtype=x.dtype, device=x.device)
+    return skinny_matmul_into(out, x, w, config)
