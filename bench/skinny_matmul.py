@@ -45,7 +45,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/skinny_matmul.json")
     p.add_argument("--tokens", default="4,16,28,64")
-    p.add_argument("--sweep-tokens", default="4,28", help="token counts whose configs are swept")
+    p.add_argument("--sweep-tokens", default="4,28", help="token counts whose configs are swept (one per row block)")
+    p.add_argument("--table", default=None, help="write the best config per (shape, row block) here, in the format "
+                   "of dcp_compile/lowering/triton/skinny_configs/")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--replays", type=int, default=15)
     p.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this many seconds")
@@ -105,13 +107,13 @@ def configs(problem: Problem, programs: int):
     from dcp_compile.lowering.triton.skinny_matmul import SkinnyConfig
 
     for block_n, block_k, splits, stages, warps in itertools.product(
-            (16, 32, 64, 128), (64, 128, 256, 512), (1, 2, 4, 8, 16), (3, 4), (4, 8)):
+            (32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16), (3, 4), (4, 8)):
         tiles = problem.batch * -(-problem.n // block_n)
-        if block_n > max(16, problem.n) or splits * block_k > problem.k:
+        if block_n > max(32, problem.n) or splits * block_k > problem.k:
             continue
         if not programs // 2 <= tiles * splits <= 16 * programs:
             continue
-        if stages * (block_k * block_n + 16 * block_k) * 2 > 200 * 1024:
+        if stages * (block_k * block_n + 64 * block_k) * 2 > 200 * 1024:
             continue
         yield SkinnyConfig(block_n, block_k, splits, warps, stages)
 
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
     started = time.time()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     programs = skinny.programs_wanted(torch.device("cuda"))
-    rows = []
+    rows, table = [], {}
     for name in args.shapes:
         for tokens in args.tokens:
             problem = Problem(name, tokens, l2)
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
             if problem.batch == 1:
                 row["cublas_transposed_seconds"] = time_graph(
                     torch, lambda i: torch.mm(problem.weights[i], problem.x.t()).t(), len(problem.weights), args.replays)
-            default = skinny.choose(tokens, problem.n, problem.k, problem.batch, programs)
+            default = skinny.choose(tokens, problem.n, problem.k, problem.batch, programs)  # the heuristic, no table
             row["default_config"] = list(default.__dict__.values())
             row["default_seconds"], row["default_error"] = run_skinny(default)
             if tokens in args.sweep_tokens and time.time() - started < args.budget_s:
@@ -167,6 +169,8 @@ def main(argv=None) -> int:
                     best = min(best, (seconds, config), key=lambda b: b[0])
                 row["swept"] = tried
                 row["best_seconds"], row["best_config"] = best[0], list(best[1].__dict__.values())
+                table.setdefault(skinny.shape_key(problem.batch, problem.k, problem.n), {})[
+                    str(skinny.block_rows(tokens))] = row["best_config"]
             for key in ("cublas", "cublas_transposed", "default", "best"):
                 if f"{key}_seconds" in row:
                     row[f"{key}_of_copy"] = problem.weight_bytes / row[f"{key}_seconds"] / copy["bytes_per_s"]
@@ -189,6 +193,11 @@ def main(argv=None) -> int:
               "rows": rows, "seconds": time.time() - started}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.table:
+        Path(args.table).write_text(json.dumps({
+            "gpu": result["machine"]["gpu"], "source": result["command"], "date": result["date"],
+            "fields": result["config_fields"], "configs": table}, indent=1))
+        print(f"wrote {args.table}")
     print(f"wrote {args.out}")
     return 0
 

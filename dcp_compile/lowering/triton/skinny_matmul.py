@@ -21,7 +21,12 @@ bf16: triton-lang/triton#11584), as in attention.py.
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -42,38 +47,56 @@ class SkinnyConfig:
     num_stages: int = 4
 
 
-@triton.jit(do_not_specialize=["M", "k_per_split"])
+@triton.jit(do_not_specialize=["M"])
 def _skinny_matmul_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
     stride_xb, stride_xm, stride_wb, stride_w, stride_ob, stride_om, stride_os,
-    W_K_CONTIGUOUS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    W_K_CONTIGUOUS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
+    # Split s covers k in [s * k_per_split, (s + 1) * k_per_split), a multiple of BLOCK_K; with
+    # EVEN_K every split lies inside K, so the weight loads carry no K mask and stay 16 bytes wide.
     pid_n, pid_s, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    row_mask, col_mask = rows < M, cols < N
-    x_base = x_ptr + pid_b.to(tl.int64) * stride_xb + rows[:, None] * stride_xm
-    if W_K_CONTIGUOUS:  # w[k, n] at n * stride_w + k
-        w_base = w_ptr + pid_b.to(tl.int64) * stride_wb + cols[None, :].to(tl.int64) * stride_w
-    else:  # w[k, n] at k * stride_w + n
-        w_base = w_ptr + pid_b.to(tl.int64) * stride_wb + cols[None, :]
     k_lo = pid_s * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    ks = k_lo + tl.arange(0, BLOCK_K)
+    row_mask, col_mask = rows < M, cols < N
+    x_ptrs = x_ptr + pid_b.to(tl.int64) * stride_xb + rows[:, None] * stride_xm + ks[None, :]
+    if W_K_CONTIGUOUS:  # a linear's weight [N, K]: tiles [BLOCK_N, BLOCK_K], K contiguous
+        w_ptrs = w_ptr + pid_b.to(tl.int64) * stride_wb + cols[:, None].to(tl.int64) * stride_w + ks[None, :]
+        w_step = BLOCK_K
+    else:  # [K, N] with N contiguous: tiles [BLOCK_K, BLOCK_N]
+        w_ptrs = w_ptr + pid_b.to(tl.int64) * stride_wb + ks[:, None].to(tl.int64) * stride_w + cols[None, :]
+        w_step = BLOCK_K * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + ks
-        k_mask = k < k_hi
-        x = tl.load(x_base + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if W_K_CONTIGUOUS:
-            w = tl.load(w_base + k[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
         else:
-            w = tl.load(w_base + k[:, None].to(tl.int64) * stride_w, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            k_in = (ks + k0) < K
+            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_in[None, :], other=0.0)
+        if W_K_CONTIGUOUS:
+            if EVEN_K and EVEN_N:
+                w = tl.load(w_ptrs)
+            elif EVEN_K:
+                w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0)
+            else:
+                w = tl.load(w_ptrs, mask=col_mask[:, None] & k_in[None, :], other=0.0)
+            w = tl.trans(w)
+        else:
+            if EVEN_K and EVEN_N:
+                w = tl.load(w_ptrs)
+            elif EVEN_K:
+                w = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0)
+            else:
+                w = tl.load(w_ptrs, mask=k_in[:, None] & col_mask[None, :], other=0.0)
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += w_step
     out = out_ptr + pid_s.to(tl.int64) * stride_os + pid_b.to(tl.int64) * stride_ob + rows[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -93,10 +116,16 @@ def block_rows(rows: int) -> int:
     return max(16, triton.next_power_of_2(rows))  # tl.dot's smallest M
 
 
-def choose(rows: int, n: int, k: int, batch: int, programs_wanted: int) -> SkinnyConfig:
-    """A config for out [batch, rows, n] = x [batch, rows, k] @ w [batch, k, n]: the widest N tile
-    that, with K split in at most 8, puts `programs_wanted` programs on the GPU (a few per SM, so
-    that enough weight loads are in flight to keep the memory busy)."""
+def choose(rows: int, n: int, k: int, batch: int, programs_wanted: int, device_name: str | None = None) -> SkinnyConfig:
+    """A config for out [batch, rows, n] = x [batch, rows, k] @ w [batch, k, n]: the one tuned for
+    this shape and row block on this GPU (tuned_configs), else the widest N tile that, with K split
+    in at most 8, puts `programs_wanted` programs on the GPU (a few per SM, so that enough weight
+    loads are in flight to keep the memory busy)."""
+    tuned = tuned_configs(device_name).get(shape_key(batch, k, n))
+    if tuned:  # the largest row block tuned up to this one's (the smallest, above all tuned)
+        blocks = sorted(int(b) for b in tuned)
+        fitting = [b for b in blocks if b <= block_rows(rows)]
+        return SkinnyConfig(*tuned[str(fitting[-1] if fitting else blocks[0])])
     for block_n in (64, 32, 16):
         tiles = batch * triton.cdiv(n, block_n)
         if tiles >= programs_wanted:
@@ -108,10 +137,45 @@ def choose(rows: int, n: int, k: int, batch: int, programs_wanted: int) -> Skinn
     return SkinnyConfig(block_n, block_k, splits)
 
 
+def shape_key(batch: int, k: int, n: int) -> str:
+    return f"{batch}x{k}x{n}"
+
+
+CONFIGS_ENV = "DCP_COMPILE_SKINNY_CONFIGS"
+"""A JSON file of tuned configs to use instead of the package's own (bench/skinny_matmul.py --table)."""
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_configs(device_name: str | None) -> dict:
+    """{shape_key: {row block: [block_n, block_k, splits, num_warps, num_stages]}} measured on this
+    GPU model by bench/skinny_matmul.py: the file $DCP_COMPILE_SKINNY_CONFIGS, else
+    skinny_configs/<GPU name>.json beside this module; {} where neither exists."""
+    path = os.environ.get(CONFIGS_ENV)
+    if not path and device_name:
+        path = Path(__file__).parent / "skinny_configs" / (re.sub(r"[^A-Za-z0-9]+", "_", device_name) + ".json")
+    if not path or not Path(path).is_file():
+        return {}
+    return json.loads(Path(path).read_text())["configs"]
+
+
+def _device_name(device: torch.device) -> str | None:
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def programs_wanted(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def skinny_matmul_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
@@ -133,7 +197,8 @@ def skinny_matmul_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, conf
         return out
     if k == 0:
         return out.zero_()
-    config = config or choose(rows, n, k, batch, programs_wanted(x.device))
+    if config is None:
+        config = choose(rows, n, k, batch, programs_wanted(x.device), _device_name(x.device))
     w_k_contiguous = w.stride(1) == 1 and not (w.stride(2) == 1 and k == 1)
     stride_w = w.stride(2) if w_k_contiguous else w.stride(1)
     k_per_split = triton.cdiv(triton.cdiv(k, config.splits), config.block_k) * config.block_k
@@ -145,7 +210,8 @@ def skinny_matmul_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, conf
     _skinny_matmul_kernel[grid](
         x, w, target, rows, n, k, k_per_split,
         x.stride(0), x.stride(1), w.stride(0), stride_w, stride_ob, stride_om, stride_os,
-        W_K_CONTIGUOUS=w_k_contiguous, BLOCK_M=block_rows(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        W_K_CONTIGUOUS=w_k_contiguous, EVEN_K=k % k_per_split == 0, EVEN_N=n % config.block_n == 0,
+        BLOCK_M=block_rows(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         DOT_FP32=x.dtype == torch.float32 or is_interpreted(_skinny_matmul_kernel),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
