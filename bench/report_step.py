@@ -17,15 +17,21 @@ def _context(tokens: int) -> str:
     return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
 
 
+def combo(row: dict) -> str:
+    """'lowering + inner compiler', with the projections' kernel where the run recorded it."""
+    name = f"{row['lowering']} + {row['inner_compile']}"
+    return name + (" + skinny" if row.get("skinny_matmuls") == "on" else " + cuBLAS" if row.get("skinny_matmuls") == "off" else "")
+
+
 def table(result: dict) -> str:
     lines = ["| lowering + inner compiler | context | batch | k | step ms | floor ms | of floor | attention ms | rest ms | first call s |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["cases"]:
         if r["step_seconds"] != r["step_seconds"]:
-            lines.append(f"| {r['lowering']} + {r['inner_compile']} | {r['context']} | {r['batch']} | {r['k']} | "
+            lines.append(f"| {combo(r)} | {r['context']} | {r['batch']} | {r['k']} | "
                          f"failed: {r.get('error', '?')[:60]} | | | | | |")
             continue
-        lines.append(f"| {r['lowering']} + {r['inner_compile']} | {_context(r['context'])} | {r['batch']} | {r['k']} | "
+        lines.append(f"| {combo(r)} | {_context(r['context'])} | {r['batch']} | {r['k']} | "
                      f"{r['step_seconds'] * 1e3:.2f} | {r['floor_seconds'] * 1e3:.2f} | {r['fraction_of_floor']:.0%} | "
                      f"{r['attention_seconds'] * 1e3:.2f} | {r['rest_seconds'] * 1e3:.2f} | {r.get('compile_seconds', 0):.1f} |")
     lines.append("")
@@ -33,7 +39,7 @@ def table(result: dict) -> str:
     lines.append("| --- | ---: | ---: |")
     for c in result["compile"]:
         warm = c.get("warm_seconds")
-        lines.append(f"| {c['lowering']} + {c['inner_compile']} | {c['cold_seconds']:.1f} | "
+        lines.append(f"| {combo(c)} | {c['cold_seconds']:.1f} | "
                      f"{'' if warm is None else f'{warm:.1f}'} |")
     return "\n".join(lines)
 
@@ -46,15 +52,15 @@ def plot(result: dict, path: str) -> None:
 
     contexts = sorted({r["context"] for r in result["cases"]})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.2), squeeze=False)
-    combos = sorted({(r["lowering"], r["inner_compile"]) for r in result["cases"]})
+    combos = sorted({combo(r) for r in result["cases"]})
     for ax, context in zip(axes[0], contexts):
         rows = [r for r in result["cases"] if r["context"] == context]
         labels = sorted({(r["k"], r["batch"]) for r in rows})
         width = 0.8 / (len(combos) + 1)
-        for i, combo in enumerate(combos):
-            values = [next((r["step_seconds"] * 1e3 for r in rows if (r["lowering"], r["inner_compile"]) == combo
+        for i, name in enumerate(combos):
+            values = [next((r["step_seconds"] * 1e3 for r in rows if combo(r) == name
                             and (r["k"], r["batch"]) == label), float("nan")) for label in labels]
-            ax.bar([x + i * width for x in range(len(labels))], values, width, label=" + ".join(combo))
+            ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
         floors = [next(r["floor_seconds"] * 1e3 for r in rows if (r["k"], r["batch"]) == label) for label in labels]
         ax.bar([x + len(combos) * width for x in range(len(labels))], floors, width, label="floor", color="black")
         ax.set_xticks([x + 0.4 for x in range(len(labels))], [f"k={k} b={b}" for k, b in labels])

@@ -271,7 +271,7 @@ def summary(result: dict) -> list[str]:
         for row in result["cases"]:
             if (row["k"], row["batch"], row["context"]) == (k, batch, context) and row["step_seconds"] == row["step_seconds"]:
                 met = row["fraction_of_floor"] >= target
-                lines.append(f"{row['lowering']}+{row['inner_compile']} k={k} b={batch} ctx={context}: "
+                lines.append(f"{row['lowering']}+{row['inner_compile']}+skinny-{row.get('skinny_matmuls')} k={k} b={batch} ctx={context}: "
                              f"{row['fraction_of_floor']:.1%} of the floor (target {target:.0%}, {'met' if met else 'missed'})")
     for row in result["compile"]:
         for key, limit in COMPILE_TARGETS.items():

@@ -5,10 +5,11 @@ W_UK / W_UV, read at the memory rate.
 
 At a decode step a projection is a matrix-vector product: it reads its weight once for a few
 tokens, so its floor is the weight's bytes at the copy rate. cuBLAS's kernels for these shapes
-reach 42-80% of it on an H200 (a wide-K, narrow-N weight like q_a+kv_a 52%, the per-head
-W_UK/W_UV bmm 42%: bench/results/skinny_matmul_h200.json); this kernel tiles N across the GPU,
-splits K where N alone gives too few programs, and sums the split partials in a second small
-kernel (deterministic: no atomics).
+reach 41-79% of it on an H200 (a wide-K, narrow-N weight like q_a+kv_a 50%, the per-head
+W_UK/W_UV products 41%: bench/results/skinny_matmul_h200.json). This kernel tiles N across the
+GPU and splits K where N alone gives too few programs; the last program of a tile to finish sums
+its splits' partials in split order (deterministic), so a split product is still one launch.
+Configs are tuned per GPU and shape (skinny_configs/, written by bench/skinny_matmul.py).
 
 Any strides: x's K and out's N must be unit-stride, w either K- or N-unit-stride (a linear's
 weight [N, K] seen as [K, N], or an einsum's [B, K, N]), so both the linear and the per-head
@@ -49,9 +50,9 @@ class SkinnyConfig:
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_matmul_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
-    stride_xb, stride_xm, stride_wb, stride_w, stride_ob, stride_om, stride_os,
-    W_K_CONTIGUOUS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits,
+    stride_xb, stride_xm, stride_wb, stride_w, stride_ob, stride_om,
+    W_K_CONTIGUOUS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     # Split s covers k in [s * k_per_split, (s + 1) * k_per_split), a multiple of BLOCK_K; with
@@ -97,19 +98,39 @@ def _skinny_matmul_kernel(
             acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K
         w_ptrs += w_step
-    out = out_ptr + pid_s.to(tl.int64) * stride_os + pid_b.to(tl.int64) * stride_ob + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    out = out_ptr + pid_b.to(tl.int64) * stride_ob + rows[:, None] * stride_om + cols[None, :]
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT:
+        # Split K: each program leaves its partial tile in the workspace; the last of a tile's
+        # splits to arrive (a counter per tile, reset by it for the next launch) sums them in
+        # split order and writes the output. One launch, no second reduce kernel.
+        tile = pid_b * tl.num_programs(0) + pid_n
+        tile_offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        parts = part_ptr + tile.to(tl.int64) * splits * BLOCK_M * BLOCK_N
+        tl.store(parts + pid_s * BLOCK_M * BLOCK_N + tile_offsets, acc)
+        tl.debug_barrier()  # every thread's partial stored before the program signals
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == splits - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in range(0, splits):
+                total += tl.load(parts + split * BLOCK_M * BLOCK_N + tile_offsets, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["M", "splits", "elements"])
-def _split_sum_kernel(part_ptr, out_ptr, M, N, splits, elements, stride_ob, stride_om, BLOCK: tl.constexpr):
-    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = e < elements
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(splits):
-        acc += tl.load(part_ptr + s * elements + e, mask=mask, other=0.0)
-    b, m, n = e // (M * N), (e // N) % M, e % N
-    tl.store(out_ptr + b * stride_ob + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+MAX_SPLIT_TILES = 1 << 16
+"""Output tiles one split-K launch may have (the per-device counter buffer's length)."""
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 tile counters, one buffer per device for the process's life: a captured graph
+    keeps its address, and every launch leaves the counters it used at 0 again."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def block_rows(rows: int) -> int:
@@ -203,22 +224,24 @@ def skinny_matmul_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, conf
     stride_w = w.stride(2) if w_k_contiguous else w.stride(1)
     k_per_split = triton.cdiv(triton.cdiv(k, config.splits), config.block_k) * config.block_k
     splits = triton.cdiv(k, k_per_split)
-    target = out if splits == 1 else torch.empty((splits, batch, rows, n), dtype=torch.float32, device=x.device)
-    stride_ob, stride_om = target.stride(-3), target.stride(-2)
-    stride_os = target.stride(0) if splits > 1 else 0
+    tiles = batch * triton.cdiv(n, config.block_n)
+    if splits > 1 and tiles > MAX_SPLIT_TILES:
+        k_per_split, splits = triton.cdiv(k, config.block_k) * config.block_k, 1
+    block_m = block_rows(rows)
+    if splits > 1:
+        parts = torch.empty(tiles * splits * block_m * config.block_n, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
+    else:
+        parts = counters = out  # unused
     grid = (triton.cdiv(n, config.block_n), splits, batch)
     _skinny_matmul_kernel[grid](
-        x, w, target, rows, n, k, k_per_split,
-        x.stride(0), x.stride(1), w.stride(0), stride_w, stride_ob, stride_om, stride_os,
-        W_K_CONTIGUOUS=w_k_contiguous, EVEN_K=k % k_per_split == 0, EVEN_N=n % config.block_n == 0,
-        BLOCK_M=block_rows(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        x, w, out, parts, counters, rows, n, k, k_per_split, splits,
+        x.stride(0), x.stride(1), w.stride(0), stride_w, out.stride(0), out.stride(1),
+        W_K_CONTIGUOUS=w_k_contiguous, EVEN_K=k % k_per_split == 0, EVEN_N=n % config.block_n == 0, SPLIT=splits > 1,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         DOT_FP32=x.dtype == torch.float32 or is_interpreted(_skinny_matmul_kernel),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if splits > 1:
-        elements, block = batch * rows * n, 1024
-        _split_sum_kernel[(triton.cdiv(elements, block),)](
-            target, out, rows, n, splits, elements, out.stride(0), out.stride(1), BLOCK=block)
     return out
 
 
