@@ -7,8 +7,8 @@ torch otherwise. The lower_projections pass swaps the model's F.linear / einsum 
 
 The choice is made per call from the row count, so one graph whose token count is symbolic serves
 a decode step (a few rows: the kernel) and a prefill (many: cuBLAS). Where the operands' layout or
-dtype is not one the kernel reads, torch runs: an op never fails where the product it replaces
-would have run. Triton is imported only when the kernel first runs.
+dtype is not one the kernel reads, or this GPU's tuned table says cuBLAS is faster at the shape,
+torch runs: an op never fails where the product it replaces would have run. Triton is imported only when the kernel first runs.
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         flat = x.view(1, rows, k)
     except RuntimeError:  # leading dims that do not flatten without a copy
         return torch.nn.functional.linear(x, weight)
-    from dcp_compile.lowering.triton.skinny_matmul import skinny_matmul_into
+    from dcp_compile.lowering.triton import skinny_matmul
 
+    config = skinny_matmul.config_for(flat, weight.shape[0], k, 1)
+    if config is None:  # cuBLAS measured faster at this shape on this GPU
+        return torch.nn.functional.linear(x, weight)
     out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
-    skinny_matmul_into(out.view(1, rows, weight.shape[0]), flat, weight.t().unsqueeze(0))
+    skinny_matmul.skinny_matmul_into(out.view(1, rows, weight.shape[0]), flat, weight.t().unsqueeze(0), config)
     return out
 
 
@@ -50,10 +53,14 @@ def _(x, weight):
 def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dim() != 3 or weight.dim() != 3 or not _kernel_reads(x, weight, x.shape[0]):
         return torch.einsum("thk,hkn->thn", x, weight)
-    from dcp_compile.lowering.triton.skinny_matmul import skinny_matmul_into
+    from dcp_compile.lowering.triton import skinny_matmul
 
+    heads_first = x.transpose(0, 1)  # heads as the batch: no copies
+    config = skinny_matmul.config_for(heads_first, weight.shape[2], weight.shape[1], weight.shape[0])
+    if config is None:
+        return torch.einsum("thk,hkn->thn", x, weight)
     out = torch.empty((x.shape[0], x.shape[1], weight.shape[2]), dtype=x.dtype, device=x.device)
-    skinny_matmul_into(out.transpose(0, 1), x.transpose(0, 1), weight)  # heads as the batch: no copies
+    skinny_matmul.skinny_matmul_into(out.transpose(0, 1), heads_first, weight, config)
     return out
 
 

@@ -137,16 +137,17 @@ def block_rows(rows: int) -> int:
     return max(16, triton.next_power_of_2(rows))  # tl.dot's smallest M
 
 
-def choose(rows: int, n: int, k: int, batch: int, programs_wanted: int, device_name: str | None = None) -> SkinnyConfig:
+def choose(rows: int, n: int, k: int, batch: int, programs_wanted: int, device_name: str | None = None) -> SkinnyConfig | None:
     """A config for out [batch, rows, n] = x [batch, rows, k] @ w [batch, k, n]: the one tuned for
-    this shape and row block on this GPU (tuned_configs), else the widest N tile that, with K split
-    in at most 8, puts `programs_wanted` programs on the GPU (a few per SM, so that enough weight
-    loads are in flight to keep the memory busy)."""
+    this shape and row block on this GPU (tuned_configs; None where cuBLAS measured faster there),
+    else the widest N tile that, with K split in at most 8, puts `programs_wanted` programs on the
+    GPU (a few per SM, so that enough weight loads are in flight to keep the memory busy)."""
     tuned = tuned_configs(device_name).get(shape_key(batch, k, n))
     if tuned:  # the largest row block tuned up to this one's (the smallest, above all tuned)
         blocks = sorted(int(b) for b in tuned)
         fitting = [b for b in blocks if b <= block_rows(rows)]
-        return SkinnyConfig(*tuned[str(fitting[-1] if fitting else blocks[0])])
+        entry = tuned[str(fitting[-1] if fitting else blocks[0])]
+        return None if entry == TORCH_FASTER else SkinnyConfig(*entry)
     for block_n in (64, 32, 16):
         tiles = batch * triton.cdiv(n, block_n)
         if tiles >= programs_wanted:
@@ -156,6 +157,15 @@ def choose(rows: int, n: int, k: int, batch: int, programs_wanted: int, device_n
     block_k = 256
     splits = max(1, min(8, triton.cdiv(programs_wanted, tiles), triton.cdiv(k, block_k)))
     return SkinnyConfig(block_n, block_k, splits)
+
+
+TORCH_FASTER = "cublas"
+"""A tuned table's entry where torch's matmul (cuBLAS) measured faster than every config tried."""
+
+
+def config_for(x: torch.Tensor, n: int, k: int, batch: int) -> SkinnyConfig | None:
+    """choose() for x's device; None where this GPU's table says torch's matmul is faster."""
+    return choose(x.shape[-2], n, k, batch, programs_wanted(x.device), _device_name(x.device))
 
 
 def shape_key(batch: int, k: int, n: int) -> str:
@@ -218,8 +228,9 @@ def skinny_matmul_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, conf
         return out
     if k == 0:
         return out.zero_()
-    if config is None:
-        config = choose(rows, n, k, batch, programs_wanted(x.device), _device_name(x.device))
+    if config is None:  # the tuned config, or the heuristic's where the table prefers torch (a caller that
+        # asked the kernel by name gets it)
+        config = config_for(x, n, k, batch) or choose(rows, n, k, batch, programs_wanted(x.device))
     w_k_contiguous = w.stride(1) == 1 and not (w.stride(2) == 1 and k == 1)
     stride_w = w.stride(2) if w_k_contiguous else w.stride(1)
     k_per_split = triton.cdiv(triton.cdiv(k, config.splits), config.block_k) * config.block_k
