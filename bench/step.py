@@ -249,7 +249,7 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
             torch.cuda.empty_cache()
     torch._dynamo.reset()
     result["compile"].append(compile_row)
-    print(f"{lowering:>10} {inner:>8} skinny {resolved.skinny_matmuls:>3} compile: cold {compile_row['cold_seconds']:.1f} s, warm "
+    print(f"{lowering:>10} {inner:>8} skinny {resolved.skinny_matmuls:>3} compile: cold {compile_row['cold_seconds'] or float('nan'):.1f} s, warm "
           f"{compile_row.get('warm_seconds', float('nan')):.1f} s", flush=True)
 
 

@@ -124,11 +124,12 @@ def test_head_matmul_matches_einsum_and_falls_back_past_the_row_limit():
     q = torch.randn(6, 3, 40, generator=gen).bfloat16()
     w = torch.randn(3, 32, 24, generator=gen).bfloat16()
     out = matmul_ops.head_matmul(q[..., :32], w)
-    assert out.is_contiguous() and out.shape == (6, 3, 24)
+    assert out.shape == (6, 3, 24) and out.stride() == (24, 6 * 24, 1)  # head-major, as einsum leaves it
     torch.testing.assert_close(out.double(), torch.einsum("thk,hkn->thn", q[..., :32].double(), w.double()),
                                **TOLERANCE[torch.bfloat16])
     many = torch.randn(MAX_ROWS + 3, 3, 32, generator=gen)
-    assert torch.equal(matmul_ops.head_matmul(many, w.float()), torch.einsum("thk,hkn->thn", many, w.float()))
+    fallback = matmul_ops.head_matmul(many, w.float())
+    assert torch.equal(fallback, torch.einsum("thk,hkn->thn", many, w.float())) and fallback.stride() == (24, 67 * 24, 1)
 
 
 def test_the_ops_pass_opcheck():

@@ -29,16 +29,16 @@ def _kernel_reads(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows, k = x.numel() // max(x.shape[-1], 1), x.shape[-1]
     if weight.dim() != 2 or not _kernel_reads(x, weight, rows):
-        return torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.linear(x, weight).contiguous()  # the layout the fake promises
     try:
         flat = x.view(1, rows, k)
     except RuntimeError:  # leading dims that do not flatten without a copy
-        return torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.linear(x, weight).contiguous()
     from dcp_compile.lowering.triton import skinny_matmul
 
     config = skinny_matmul.config_for(flat, weight.shape[0], k, 1)
     if config is None:  # cuBLAS measured faster at this shape on this GPU
-        return torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.linear(x, weight).contiguous()
     out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
     skinny_matmul.skinny_matmul_into(out.view(1, rows, weight.shape[0]), flat, weight.t().unsqueeze(0), config)
     return out
@@ -51,19 +51,25 @@ def _(x, weight):
 
 @torch.library.custom_op("dcp_triton::head_matmul", mutates_args=(), device_types=("cuda", "cpu"))
 def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # The output is laid out [H, T, N] and seen as [T, H, N], as einsum's batched matmul leaves it,
+    # so the graph around the op is the one the einsum had.
+    out = _head_major(x, weight)
     if x.dim() != 3 or weight.dim() != 3 or not _kernel_reads(x, weight, x.shape[0]):
-        return torch.einsum("thk,hkn->thn", x, weight)
+        return out.copy_(torch.einsum("thk,hkn->thn", x, weight))
     from dcp_compile.lowering.triton import skinny_matmul
 
     heads_first = x.transpose(0, 1)  # heads as the batch: no copies
     config = skinny_matmul.config_for(heads_first, weight.shape[2], weight.shape[1], weight.shape[0])
     if config is None:
-        return torch.einsum("thk,hkn->thn", x, weight)
-    out = torch.empty((x.shape[0], x.shape[1], weight.shape[2]), dtype=x.dtype, device=x.device)
+        return out.copy_(torch.einsum("thk,hkn->thn", x, weight))
     skinny_matmul.skinny_matmul_into(out.transpose(0, 1), heads_first, weight, config)
     return out
 
 
+def _head_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[1], x.shape[0], weight.shape[-1])).transpose(0, 1)
+
+
 @head_matmul.register_fake
 def _(x, weight):
-    return x.new_empty((x.shape[0], x.shape[1], weight.shape[2]))
+    return _head_major(x, weight)
