@@ -115,6 +115,18 @@ def test_the_reference_model_runs_its_projections_through_the_kernel_with_cublas
     assert launches and max(launches) <= skinny_matmul.MAX_ROWS  # decode rows ran the kernel; the prefill did not
 
 
+def test_the_lowered_products_compile_under_inductor(monkeypatch):
+    """The swapped ops under inductor: a prefill's rows (torch's product) and decode rows (the
+    kernel) give cuBLAS's numbers. (The layouts the fakes promise are asserted op by op in
+    tests/ops/test_skinny_matmul.py: CUDA's inductor checks them at run time.)"""
+    monkeypatch.setattr(TorchLowering, "passes", lambda self: [LowerProjections(devices=("cpu",))])
+    compiled = dcp_compile.apply(_model(), 1, kernels="torch", skinny_matmuls="on", inner_compile="inductor",
+                                 fuse_projections="off")
+    got, want = _steps(compiled)[-2:], _steps(dcp_compile.apply(_model(), 1, kernels="torch", fuse_projections="off"))[-2:]
+    for a, b in zip(got, want):
+        assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
+
+
 def test_auto_is_off_on_the_cpu_and_bad_values_are_refused():
     assert dcp_compile.state(dcp_compile.apply(_model(torch.float32), 1)).config.skinny_matmuls == "off"
     with pytest.raises(ValueError, match="skinny_matmuls must be one of"):
