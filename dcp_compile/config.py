@@ -72,9 +72,10 @@ class DCPConfig:
     skinny_matmuls: str = "auto"
     """'on': the projections (bias-free linears) and MLA's absorbed per-head products run through
     the skinny-matmul Triton kernel when a step has at most 64 tokens, and cuBLAS above
-    (lowering/triton/lower_projections.py; back ends that run the Triton kernels, on CUDA);
-    'off': cuBLAS always; 'auto' (default): on where the KV pool is on a CUDA device, off
-    elsewhere. apply() records what it resolved here."""
+    (lowering/triton/lower_projections.py; back ends that run the Triton kernels, on CUDA), each
+    shape by the config tuned for this GPU or, where cuBLAS measured faster, by cuBLAS; 'off':
+    cuBLAS always; 'auto' (default): on where the KV pool is on a CUDA GPU the kernel has tuned
+    configs for (lowering/triton/skinny_configs/), off elsewhere. apply() records what it resolved here."""
 
     attention_strategy: str = "auto"
     """'gather-q', 'gather-kv', or 'auto': the cost model picks per batch (dcp_compile.cost_model).
@@ -132,7 +133,7 @@ class DCPConfig:
         if config.fuse_projections == "auto":
             config = config.replace(fuse_projections="on" if pool.device.type == "cuda" else "off")
         if config.skinny_matmuls == "auto":
-            config = config.replace(skinny_matmuls="on" if pool.device.type == "cuda" else "off")
+            config = config.replace(skinny_matmuls="on" if lowering.skinny_matmuls(pool) else "off")
         return config
 
     def check_options(self, lowering) -> None:

@@ -15,7 +15,8 @@ back end through these methods and never names one:
   `page_size(dcp_size, interleave, block_size)` (the pages its kernels read,
   where it sets them), `check_layout(page_size, dcp_size, interleave)`, `model_dims` (the
   latent and rope widths it needs) and `dtypes`;
-- its inner compiler where the config says 'auto': `inner_compile(pool)` (the fastest measured);
+- its inner compiler where the config says 'auto': `inner_compile(pool)` (the fastest measured),
+  and `skinny_matmuls(pool)`;
 - which dcp_size=1 baseline a comparison runs it against: `baseline` (the demo);
 - its graphs' shapes: `static_shapes(strategy)` (planned per batch shape on the host);
 - its host inputs: `plans_on_host` (each step needs the batch's host metadata) and
@@ -78,6 +79,11 @@ class Lowering:
     def inner_compile(self, pool) -> str:
         """The inner compiler for inner_compile='auto' (config.INNER_COMPILERS): 'eager' by default."""
         return "eager"
+
+    def skinny_matmuls(self, pool) -> bool:
+        """skinny_matmuls='auto': whether its passes run few-token projections through the
+        skinny-matmul kernel on this pool (where the kernel has configs tuned for its GPU)."""
+        return False
 
     def passes(self) -> list:
         """Its lowering passes (passes.base.GraphPass), in order."""

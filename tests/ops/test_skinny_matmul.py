@@ -138,3 +138,31 @@ def test_the_ops_pass_opcheck():
                           (torch.randn(3, 16, generator=gen), torch.randn(8, 16, generator=gen)))
     torch.library.opcheck(torch.ops.dcp_triton.head_matmul.default,
                           (torch.randn(3, 2, 16, generator=gen), torch.randn(2, 16, 8, generator=gen)))
+
+
+def test_the_packaged_h200_table_names_valid_configs_or_cublas():
+    table = skinny_matmul.tuned_configs("NVIDIA H200")
+    assert table and skinny_matmul.tuned_configs("A GPU nobody tuned") == {}
+    for shape, blocks in table.items():
+        batch, k, n = map(int, shape.split("x"))
+        for block, entry in blocks.items():
+            assert int(block) in (16, 32, 64)
+            if entry != skinny_matmul.TORCH_FASTER:
+                config = SkinnyConfig(*entry)
+                assert config.block_n in (16, 32, 64, 128, 256) and config.splits * config.block_k <= k, (shape, block)
+    # q_a + kv_a at 4 tokens: the kernel, split over K; o_proj: cuBLAS
+    assert skinny_matmul.choose(4, 2112, 7168, 1, 528, "NVIDIA H200").splits > 1
+    assert skinny_matmul.choose(4, 7168, 8192, 1, 528, "NVIDIA H200") is None
+
+
+def test_a_table_given_by_the_environment_replaces_the_packaged_one(tmp_path, monkeypatch):
+    path = tmp_path / "mine.json"
+    path.write_text('{"configs": {"1x96x40": {"16": [32, 32, 3, 4, 3], "32": "cublas"}}}')
+    monkeypatch.setenv(skinny_matmul.CONFIGS_ENV, str(path))
+    skinny_matmul.tuned_configs.cache_clear()
+    try:
+        assert skinny_matmul.choose(4, 40, 96, 1, 8, "any") == SkinnyConfig(32, 32, 3, 4, 3)
+        assert skinny_matmul.choose(20, 40, 96, 1, 8, "any") is None  # the 32-row block: cuBLAS
+        assert skinny_matmul.choose(64, 40, 96, 1, 8, "any") is None  # 64 rows: the largest block tuned below
+    finally:
+        skinny_matmul.tuned_configs.cache_clear()

@@ -11,7 +11,7 @@ from dcp_compile.lowering.flashinfer.lower_attention import LowerFlashInferAtten
 from dcp_compile.lowering.flashinfer.plans import PLAN_SPECS, FlashInferFeed
 from dcp_compile.ops.targets import WINDOW_QUERIES
 from dcp_compile.lowering.triton.lower_kernels import LowerKernels
-from dcp_compile.lowering.triton.lower_projections import LowerProjections
+from dcp_compile.lowering.triton.lower_projections import LowerProjections, tuned_for
 from dcp_compile.runtime import layout
 
 
@@ -45,6 +45,9 @@ class FlashInferLowering(Lowering):
         if pool.device.type == "cuda":  # the nvcc build of its kernel here, not in the first step
             block_size = flashinfer_block_size(pool.page_size, config.dcp_size, config.interleave)
             flashinfer.warm_up(pool.device, pool.kv_lora_rank, pool.rope_dim, pool.dtype, block_size)
+
+    def skinny_matmuls(self, pool) -> bool:
+        return tuned_for(pool.device)
 
     def inner_compile(self, pool) -> str:
         # On CUDA inductor compiles the model around the attention kernels: a 61-layer Kimi-K2

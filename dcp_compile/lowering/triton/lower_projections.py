@@ -78,6 +78,15 @@ def find_projection_sites(graph: fx.Graph, devices: tuple[str, ...]) -> list[Pro
     return found
 
 
+def tuned_for(device: torch.device) -> bool:
+    """Whether the skinny-matmul kernel has configs tuned for this GPU (skinny_matmuls='auto')."""
+    if device.type != "cuda":
+        return False
+    from dcp_compile.lowering.triton import skinny_matmul
+
+    return bool(skinny_matmul.tuned_configs(skinny_matmul.gpu_name(device)))
+
+
 class LowerProjections(GraphPass):
     name = "lower_projections"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dcp_compile.lowering import triton as triton_kernels
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.lowering.triton.lower_kernels import LowerKernels
-from dcp_compile.lowering.triton.lower_projections import LowerProjections
+from dcp_compile.lowering.triton.lower_projections import LowerProjections, tuned_for
 
 
 class TritonLowering(Lowering):
@@ -22,6 +22,9 @@ class TritonLowering(Lowering):
 
     def passes(self) -> list:
         return [LowerKernels(), LowerProjections(devices=("cuda",))]
+
+    def skinny_matmuls(self, pool) -> bool:
+        return tuned_for(pool.device)
 
     def inner_compile(self, pool) -> str:
         # On CUDA inductor compiles the model around the attention kernels: a 61-layer Kimi-K2

@@ -165,7 +165,7 @@ TORCH_FASTER = "cublas"
 
 def config_for(x: torch.Tensor, n: int, k: int, batch: int) -> SkinnyConfig | None:
     """choose() for x's device; None where this GPU's table says torch's matmul is faster."""
-    return choose(x.shape[-2], n, k, batch, programs_wanted(x.device), _device_name(x.device))
+    return choose(x.shape[-2], n, k, batch, programs_wanted(x.device), gpu_name(x.device))
 
 
 def shape_key(batch: int, k: int, n: int) -> str:
@@ -189,7 +189,7 @@ def tuned_configs(device_name: str | None) -> dict:
     return json.loads(Path(path).read_text())["configs"]
 
 
-def _device_name(device: torch.device) -> str | None:
+def gpu_name(device: torch.device) -> str | None:
     return _cuda_name(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
 
 
