@@ -18,9 +18,8 @@ def _context(tokens: int) -> str:
 
 
 def combo(row: dict) -> str:
-    """'lowering + inner compiler', with the projections' kernel where the run recorded it."""
-    name = f"{row['lowering']} + {row['inner_compile']}"
-    return name + (" + skinny" if row.get("skinny_matmuls") == "on" else " + cuBLAS" if row.get("skinny_matmuls") == "off" else "")
+    """'lowering + inner compiler', '+ skinny' where the projections ran the skinny-matmul kernel."""
+    return f"{row['lowering']} + {row['inner_compile']}" + (" + skinny" if row.get("skinny_matmuls") == "on" else "")
 
 
 def table(result: dict) -> str:
