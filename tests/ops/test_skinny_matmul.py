@@ -164,5 +164,9 @@ def test_a_table_given_by_the_environment_replaces_the_packaged_one(tmp_path, mo
         assert skinny_matmul.choose(4, 40, 96, 1, 8, "any") == SkinnyConfig(32, 32, 3, 4, 3)
         assert skinny_matmul.choose(20, 40, 96, 1, 8, "any") is None  # the 32-row block: cuBLAS
         assert skinny_matmul.choose(64, 40, 96, 1, 8, "any") is None  # 64 rows: the largest block tuned below
+        monkeypatch.setenv(skinny_matmul.CONFIGS_ENV, str(tmp_path / "missing.json"))
+        skinny_matmul.tuned_configs.cache_clear()
+        with pytest.raises(FileNotFoundError, match="names no file"):
+            skinny_matmul.choose(4, 40, 96, 1, 8, "any")
     finally:
         skinny_matmul.tuned_configs.cache_clear()

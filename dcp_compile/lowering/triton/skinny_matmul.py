@@ -182,7 +182,10 @@ def tuned_configs(device_name: str | None) -> dict:
     GPU model by bench/skinny_matmul.py: the file $DCP_COMPILE_SKINNY_CONFIGS, else
     skinny_configs/<GPU name>.json beside this module; {} where neither exists."""
     path = os.environ.get(CONFIGS_ENV)
-    if not path and device_name:
+    if path:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{CONFIGS_ENV}={path!r} names no file (bench/skinny_matmul.py --table writes one)")
+    elif device_name:
         path = Path(__file__).parent / "skinny_configs" / (re.sub(r"[^A-Za-z0-9]+", "_", device_name) + ".json")
     if not path or not Path(path).is_file():
         return {}
