@@ -127,7 +127,9 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 def _counters(device: torch.device) -> torch.Tensor:
     """Zeroed int32 tile counters, one buffer per device for the process's life: a captured graph
-    keeps its address, and every launch leaves the counters it used at 0 again."""
+    keeps its address, and every launch leaves the counters it used at 0 again. Split launches
+    share it, so they must not run concurrently on one device: today every step runs on one
+    stream; a pass that overlaps two products on two streams needs a buffer per stream."""
     if device not in _COUNTERS:
         _COUNTERS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
     return _COUNTERS[device]
