@@ -23,6 +23,7 @@ from dcp_compile.passes.cleanup import Cleanup
 from dcp_compile.passes.fuse_projections import FuseProjections
 from dcp_compile.passes.graph_utils import mutated_inputs, normalize_meta, op_counts
 from dcp_compile.passes.local_metadata import LocalMetadata
+from dcp_compile.passes.overlap_collectives import OverlapCollectives
 from dcp_compile.passes.gather_q_attention import GatherQAttention
 from dcp_compile.passes.replicated_q_attention import ReplicatedQAttention
 from dcp_compile.passes.shard_kv_write import ShardKVWrite
@@ -33,13 +34,21 @@ log = logging.getLogger("dcp_compile.passes")
 
 def default_passes(lowering_passes=(), front_end_passes=()) -> list[GraphPass]:
     """The pipeline: a front end's passes (which turn a known model family's attention into the
-    canonical ops, dcp_compile/hf), the DCP passes, a back end's lowering passes, cleanup, verify."""
+    canonical ops, dcp_compile/hf), the DCP passes, a back end's lowering passes, the collective
+    schedule, cleanup, verify."""
     return [*front_end_passes, CheckLocations(), CheckMetadata(), GuardBatch(), ShardKVWrite(), LocalMetadata(), GatherQAttention(),
-            ReplicatedQAttention(), GatherKVAttention(), FuseProjections(), *lowering_passes, Cleanup(), Verify()]
+            ReplicatedQAttention(), GatherKVAttention(), FuseProjections(), *lowering_passes, *last_passes()]
+
+
+def last_passes() -> list[GraphPass]:
+    """What runs after the lowering passes, in order: the schedule of the collectives (over the
+    lowered graph, whose nodes it orders), cleanup, verify."""
+    return [OverlapCollectives(), Cleanup(), Verify()]
 
 
 PASS_NAMES = tuple(p.name for p in default_passes())
-"""The DCP passes, cleanup and the verifier; each back end adds its lowering passes' names."""
+"""The DCP passes, the collective schedule, cleanup and the verifier; each back end adds its
+lowering passes' names before the last three."""
 ALWAYS_ON = ("guard_batch", "verify")
 
 
@@ -74,7 +83,8 @@ def all_pass_names() -> tuple[str, ...]:
     from dcp_compile.lowering import registry
 
     lowering = [p.name for name in registry.names()[1:] for p in registry.get(name).passes()]
-    return PASS_NAMES[:-2] + tuple(dict.fromkeys(lowering)) + PASS_NAMES[-2:]
+    last = len(last_passes())
+    return PASS_NAMES[:-last] + tuple(dict.fromkeys(lowering)) + PASS_NAMES[-last:]
 
 
 def check_pass_names(names) -> None:
