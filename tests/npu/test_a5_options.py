@@ -28,6 +28,7 @@ from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import devices, nz
 from dcp_compile.runtime.batch import RequestTable
+from tests.npu.models import TINY_512
 
 os.environ.setdefault(devices.EMULATOR_ENV, "1")
 devices.require_torch_npu("the NPU lowering's tests")
@@ -48,7 +49,7 @@ def combo_id(combo: dict) -> str:
 
 
 def _run(steps=STEPS, **options):
-    model = MLAModel(preset("tiny-512"), 4096, max_requests=4, dtype=torch.bfloat16, page_size=BLOCK, device="npu",
+    model = MLAModel(TINY_512, 4096, max_requests=4, dtype=torch.bfloat16, page_size=BLOCK, device="npu",
                      seed=3)
     dcp = dcp_compile.apply(model, 1, kernels="npu", **options)
     table = RequestTable(4, 512, 4096, BLOCK)
@@ -157,7 +158,7 @@ def test_an_npu_graph_updates_fia_v2_by_its_own_names():
 
 
 def test_nz_needs_blocks_of_128():
-    model = MLAModel(preset("tiny-512"), 2048, max_requests=2, dtype=torch.bfloat16, page_size=16, device="npu")
+    model = MLAModel(TINY_512, 2048, max_requests=2, dtype=torch.bfloat16, page_size=16, device="npu")
     with pytest.raises(ValueError, match="npu_kv_format='nz' needs FIA blocks of 128"):
         dcp_compile.apply(model, 1, kernels="npu", npu_kv_format="nz")
 
@@ -167,7 +168,7 @@ def test_fia_v2_without_it_in_torch_npu_is_refused(monkeypatch):
     from dcp_compile.lowering.npu import lowering
 
     monkeypatch.setattr(lowering, "has_fia_v2", lambda: False)
-    model = MLAModel(preset("tiny-512"), 2048, max_requests=2, dtype=torch.bfloat16, page_size=BLOCK, device="npu")
+    model = MLAModel(TINY_512, 2048, max_requests=2, dtype=torch.bfloat16, page_size=BLOCK, device="npu")
     with pytest.raises(RuntimeError, match="fia_version=2 needs torch_npu's npu_fused_infer_attention_score_v2"):
         dcp_compile.apply(model, 1, kernels="npu", fia_version=2)
 

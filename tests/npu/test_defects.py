@@ -23,14 +23,14 @@ import torch
 
 import dcp_compile
 from dcp_compile.harness.scenario import half_precision_tolerance
-from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.graph_runner import GraphRunner, NPUGraphs
+from tests.npu.models import TINY_512
 
 NPU = "npu"
-CFG = preset("tiny-512")
+CFG = TINY_512
 PAGE = 16
 CAPACITY = 1024
 PROMPTS = [[3] * 15, [4] * 31, [5], [6] * 40]

@@ -14,10 +14,10 @@ import dcp_compile
 from dcp_compile.harness.scenario import Scenario, compare
 from dcp_compile.lowering.npu import standin
 from dcp_compile.lowering.torch import reference
-from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import devices
 from dcp_compile.runtime.batch import RequestTable
+from tests.npu.models import TINY_512
 
 os.environ.setdefault(devices.EMULATOR_ENV, "1")
 devices.require_torch_npu("the NPU lowering's tests")
@@ -44,7 +44,7 @@ def test_prefix_key_counts_are_the_lengths_fia_is_given(dcp_size, interleave):
 
 
 def _npu_model():
-    model = MLAModel(preset("tiny-512"), 2048, max_requests=4, dtype=torch.bfloat16, page_size=16, device="npu")
+    model = MLAModel(TINY_512, 2048, max_requests=4, dtype=torch.bfloat16, page_size=16, device="npu")
     return dcp_compile.apply(model, 1, kernels="npu")
 
 
@@ -78,6 +78,6 @@ def test_dcp_two_with_garbage_on_empty_shards_matches_dcp_size_one(monkeypatch):
     """Lengths 1 and 2 leave shards empty at DCP 2, and a padded row is empty on both."""
     monkeypatch.setenv(standin.PLANT_ENV, GARBAGE)
     result = compare(Scenario(mode="verify", draft_len=3, dcp_size=2, tp_size=2, batch=3, contexts=(1, 2, 40), steps=2,
-                              kernels="npu", device="npu", block_size=16, seed=3))
+                              kernels="npu", device="npu", block_size=16, seed=3, layers=TINY_512.num_layers))
     assert result["finite"] and result["tokens_match"]
     assert result["outputs_match"] and result["max_abs_diff"] < result["tolerance"]

@@ -17,10 +17,10 @@ import torch
 import dcp_compile
 from dcp_compile.lowering import npu as npu_lowering
 from dcp_compile.lowering.npu import inner_compile
-from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.graph_runner import GraphRunner, StaleHostLengthsError
+from tests.npu.models import TINY_512
 
 ROOT = Path(__file__).resolve().parents[2]
 npu_lowering.ensure_ops()
@@ -29,7 +29,7 @@ NPU = "npu"  # a device of the emulator, installed by the fixture of tests/npu/c
 
 
 def npu_model(**config):
-    model = MLAModel(preset("tiny-512"), 2048, max_requests=4, dtype=torch.bfloat16, page_size=16, device=NPU)
+    model = MLAModel(TINY_512, 2048, max_requests=4, dtype=torch.bfloat16, page_size=16, device=NPU)
     return dcp_compile.apply(model, 1, kernels="npu", **config)
 
 
@@ -103,7 +103,7 @@ def test_runner_pushes_the_current_fia_lengths_before_every_replay():
     graphs = FakeGraphs()
     runner, table = runner_and_table(graphs, debug=True)
     assert [runner.bucket_for(rows) for rows in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
-    layers = preset("tiny-512").num_mla_layers
+    layers = TINY_512.num_mla_layers
     runner(table.extend_batch([0, 1, 2], [[1]] * 3))
     assert graphs.pushed[-1] == [{"actual_seq_lengths_kv": [6, 21, 3, 0]}] * layers  # padded to the bucket of 4
     runner(table.extend_batch([0, 1, 2], [[1]] * 3))

@@ -12,10 +12,10 @@ import torch
 
 import dcp_compile
 from dcp_compile.lowering.npu import standin
-from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import devices
 from dcp_compile.runtime.batch import RequestTable
+from tests.npu.models import TINY_512
 
 os.environ.setdefault(devices.EMULATOR_ENV, "1")
 devices.require_torch_npu("the NPU lowering's tests")
@@ -24,7 +24,7 @@ STEPS = [[[5] * 9, [6] * 20, [7]], [[1], [2], [3]], [[1, 2, 3], [4, 5, 6], [7, 8
 
 
 def _run(device: str, kernels: str):
-    model = MLAModel(preset("tiny-512"), 2048, max_requests=4, dtype=torch.bfloat16, page_size=16, device=device)
+    model = MLAModel(TINY_512, 2048, max_requests=4, dtype=torch.bfloat16, page_size=16, device=device)
     dcp = dcp_compile.apply(model, 1, kernels=kernels)
     table = RequestTable(4, 64, 2048, 16)
     for tokens in STEPS:
@@ -55,7 +55,7 @@ def test_fia_reads_the_split_pool_without_a_copy_and_it_holds_the_same_kv():
 
 
 def test_a_write_through_the_split_layouts_cache_fails():
-    model = MLAModel(preset("tiny-512"), 256, max_requests=2, dtype=torch.bfloat16, page_size=16, device="npu")
+    model = MLAModel(TINY_512, 256, max_requests=2, dtype=torch.bfloat16, page_size=16, device="npu")
     dcp_compile.apply(model, 1, kernels="npu")
     with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
         model.kv_pool.cache(0)[3] = 1.0

@@ -26,6 +26,7 @@ from dcp_compile.lowering.npu.lower_attention import fia_block_size, padded_head
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.host_inputs import HOST_INPUT, HostInput
 from dcp_compile.harness.scenario import half_precision_tolerance
+from tests.npu.models import TINY_512
 
 ensure_ops()
 FIA = torch.ops.npu.npu_fused_infer_attention_score.default
@@ -139,7 +140,7 @@ class Pair:
     devices = ("cpu", NPU)
 
     def __init__(self, heads=8, debug_checks=False, capacity=2048, page_size=16):
-        cfg = preset("tiny-512").replace(num_heads=heads)
+        cfg = TINY_512.replace(num_heads=heads)
         self.models = [
             dcp_compile.apply(MLAModel(cfg, capacity, max_requests=4, dtype=torch.bfloat16, page_size=page_size,
                                        device=device), 1, kernels=kernels, debug_checks=debug_checks)
