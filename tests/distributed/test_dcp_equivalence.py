@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_compile.harness.scenario import Scenario, compare_all
+from dcp_compile.harness.scenario import Scenario
 
-CASES = [
+# Run by tests/distributed/conftest.py, in one spawn per TP size with the other modules' cases.
+SCENARIOS = [
     Scenario(dcp_size=2, tp_size=2, batch=5, contexts=(1, 2, 17, 40, 3), steps=4, pad_rows=2, seed=1),
     Scenario(dcp_size=4, tp_size=4, batch=4, contexts=(1, 3, 2, 64), steps=3, seed=2),
     Scenario(dcp_size=2, tp_size=4, batch=3, contexts=(1, 9, 33), steps=3, seed=3),
@@ -18,16 +19,9 @@ CASES = [
 ]
 
 
-
-@pytest.fixture(scope="module")
-def results():
-    """Every case's result, from one spawn per TP size (the ranks' warm-up shared)."""
-    return compare_all(CASES)
-
-
-@pytest.mark.parametrize("scenario", CASES, ids=lambda s: f"tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}")
-def test_dcp_matches_dcp_size_one(scenario, results):
-    result = results[CASES.index(scenario)]
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: f"tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}")
+def test_dcp_matches_dcp_size_one(scenario, scenario_results):
+    result = scenario_results[scenario]
     assert result["finite"]
     assert result["max_abs_diff"] < 1e-5
     assert result["tokens_match"]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_compile.harness.scenario import Scenario, compare_all
+from dcp_compile.harness.scenario import Scenario
 
-CASES = [
+# Run by tests/distributed/conftest.py, in one spawn per TP size with the other modules' cases.
+SCENARIOS = [
     # Verify: k = 7 with scripted accept/reject (0..6 drafts accepted), then local lengths recomputed.
     Scenario(mode="verify", dcp_size=2, tp_size=2, batch=3, contexts=(1, 5, 20), draft_len=7, steps=3, seed=5),
     Scenario(mode="verify", dcp_size=4, tp_size=4, batch=2, contexts=(2, 9), draft_len=3, steps=2, seed=6),
@@ -27,19 +28,12 @@ CASES = [
 ]
 
 
-
-@pytest.fixture(scope="module")
-def results():
-    """Every case's result, from one spawn per TP size (the ranks' warm-up shared)."""
-    return compare_all(CASES)
-
-
 @pytest.mark.parametrize(
-    "scenario", CASES,
+    "scenario", SCENARIOS,
     ids=lambda s: f"{s.mode}-tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}-{s.attention_strategy}-{s.kernels}",
 )
-def test_mode_matches_dcp_size_one(scenario, results):
-    result = results[CASES.index(scenario)]
+def test_mode_matches_dcp_size_one(scenario, scenario_results):
+    result = scenario_results[scenario]
     assert result["finite"]
     assert result["max_abs_diff"] < 1e-5 and result["outputs_match"]
     assert result["tokens_match"]

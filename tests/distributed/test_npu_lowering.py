@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from dcp_compile.harness.scenario import Scenario, compare_all
+from dcp_compile.harness.scenario import Scenario
 
 pytestmark = pytest.mark.usefixtures("npu_emulator")  # tests/conftest.py: the ranks inherit it
 
@@ -26,17 +26,20 @@ pytestmark = pytest.mark.usefixtures("npu_emulator")  # tests/conftest.py: the r
 NPU = dict(kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16, device="npu", layers=3)
 FULL = os.environ.get("DCP_COMPILE_FULL_MATRIX") == "1"
 CASES = [  # Scenario arguments: a Scenario on device="npu" needs the emulated device, made by the fixture
-    # Verify with scripted accept/reject; k = 1 with 12 heads (FIA runs 16, padded); k = 16 at DCP 4
-    # (k = 7, page-interleaved, is replayed from NPU graphs below).
+    # Verify with scripted accept/reject; k = 1 with 12 heads (FIA runs 16, padded) (k = 7,
+    # page-interleaved, is replayed from NPU graphs below).
     dict(mode="verify", draft_len=1, dcp_size=2, tp_size=2, batch=3, contexts=(1, 2, 40), steps=3, seed=13,
          num_heads=12),
-    dict(mode="verify", draft_len=16, dcp_size=4, tp_size=4, batch=3, contexts=(2, 3, 40), steps=2, seed=15),
     # Extend: chunks of 37 (more than FIA's 16 queries) go through gather-kv, then FIA decode.
     dict(mode="extend", chunk=37, dcp_size=2, tp_size=2, batch=3, contexts=(1, 40, 60), steps=2, seed=16),
 ]
-if FULL:  # decode at DCP 4 (4 ranks of the interpreter: minutes on 2 CI cores; DCP 2's decode is
-    # replayed from NPU graphs below, and DCP 4 runs verify k = 16 above)
+if FULL:  # DCP 4: 4 ranks of the interpreter on 2 CI cores (about 70 s for one case, a spawn of its own).
+    # In CI, DCP 4 runs on the torch path (test_dcp_equivalence.py, test_modes.py), npu_attention_update
+    # merges 3 sources (tests/npu/test_standin.py), verify k = 16 runs through this lowering at
+    # dcp_size 1 (tests/npu/test_lowering.py, test_a5_options.py), and everything else here at DCP 2.
     CASES.insert(0, dict(dcp_size=4, tp_size=4, batch=4, contexts=(1, 3, 40, 17), steps=2, seed=12))
+    CASES.insert(2, dict(mode="verify", draft_len=16, dcp_size=4, tp_size=4, batch=3, contexts=(2, 3, 40), steps=2,
+                         seed=15))
 GRAPH_CASES = [
     # Decode and verify steps replayed from NPU graphs (GraphRunner, NPUGraphs): the lengths change
     # every step and the block tables as requests cross pages; the rows are padded to the runner's
@@ -64,17 +67,14 @@ def check_matches_dcp_size_one(scenario: Scenario, result: dict) -> None:
     assert 0 < result["graphs_captured"] <= result["graph_keys"]
 
 
-@pytest.fixture(scope="module")
-def results(npu_emulator):
-    """Every case's result, from one spawn per TP size (the ranks' warm-up shared)."""
-    cases = CASES + GRAPH_CASES
-    return dict(zip(map(case_id, cases), compare_all([Scenario(**case, **NPU) for case in cases])))
+NPU_SCENARIOS = [dict(**case, **NPU) for case in CASES + GRAPH_CASES]
+"""Run by tests/distributed/conftest.py, in one spawn per TP size with the other modules' cases."""
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_npu_lowering_matches_dcp_size_one(case, results):
+def test_npu_lowering_matches_dcp_size_one(case, npu_scenario_results):
     scenario = Scenario(**case, **NPU)
-    result = results[case_id(case)]
+    result = npu_scenario_results[scenario]
     check_matches_dcp_size_one(scenario, result)
     assert result["graph_replays"] == 0
     if scenario.mode == "extend":
@@ -82,9 +82,9 @@ def test_npu_lowering_matches_dcp_size_one(case, results):
 
 
 @pytest.mark.parametrize("case", GRAPH_CASES, ids=case_id)
-def test_npu_graph_replays_match_dcp_size_one(case, results):
+def test_npu_graph_replays_match_dcp_size_one(case, npu_scenario_results):
     scenario = Scenario(**case, **NPU)
-    result = results[case_id(case)]
+    result = npu_scenario_results[scenario]
     check_matches_dcp_size_one(scenario, result)
     assert result["graph_replays"] == scenario.steps  # every decode / verify step replayed a graph
     assert result["device_graphs_captured"] == 1  # one bucket, one strategy: captured once, replayed after
