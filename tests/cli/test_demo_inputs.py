@@ -17,7 +17,7 @@ import dcp_compile
 from dcp_compile.cli.main import main
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
-from dcp_compile.harness.scenario import Driver, Scenario, compare
+from dcp_compile.harness.scenario import Driver, Scenario
 
 
 @pytest.mark.parametrize("args, message", [
@@ -100,9 +100,14 @@ def test_decode_reserves_one_token_a_step_and_verify_k():
         Scenario(mode="verify", batch=1, contexts=(4000,), steps=14, draft_len=7)
 
 
-def test_a_decode_run_may_fill_the_pool_to_its_last_location():
-    scenario = Scenario(batch=1, contexts=(247,), steps=8, kv_rows=256)  # 255 usable locations
-    result = compare(scenario)
+FILLS_THE_POOL = Scenario(batch=1, contexts=(247,), steps=8, kv_rows=256)  # 255 usable locations
+GLOO_SCENARIOS = [FILLS_THE_POOL]
+"""Run by tests/conftest.py, in one spawn per TP size with the other modules' cases."""
+
+
+def test_a_decode_run_may_fill_the_pool_to_its_last_location(scenario_results):
+    scenario = FILLS_THE_POOL
+    result = scenario_results[scenario]
     assert result["tokens_total"] == scenario.kv_rows - 1 and result["tokens_match"] and result["outputs_match"]
 
 

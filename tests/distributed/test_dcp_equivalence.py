@@ -10,8 +10,8 @@ import pytest
 
 from dcp_compile.harness.scenario import Scenario
 
-# Run by tests/distributed/conftest.py, in one spawn per TP size with the other modules' cases.
-SCENARIOS = [
+# Run by tests/conftest.py, in one spawn per TP size with the other modules' cases.
+GLOO_SCENARIOS = [
     Scenario(dcp_size=2, tp_size=2, batch=5, contexts=(1, 2, 17, 40, 3), steps=4, pad_rows=2, seed=1),
     Scenario(dcp_size=4, tp_size=4, batch=4, contexts=(1, 3, 2, 64), steps=3, seed=2),
     Scenario(dcp_size=2, tp_size=4, batch=3, contexts=(1, 9, 33), steps=3, seed=3),
@@ -19,7 +19,7 @@ SCENARIOS = [
 ]
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: f"tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}")
+@pytest.mark.parametrize("scenario", GLOO_SCENARIOS, ids=lambda s: f"tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}")
 def test_dcp_matches_dcp_size_one(scenario, scenario_results):
     result = scenario_results[scenario]
     assert result["finite"]

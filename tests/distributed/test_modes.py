@@ -6,8 +6,8 @@ import pytest
 
 from dcp_compile.harness.scenario import Scenario
 
-# Run by tests/distributed/conftest.py, in one spawn per TP size with the other modules' cases.
-SCENARIOS = [
+# Run by tests/conftest.py, in one spawn per TP size with the other modules' cases.
+GLOO_SCENARIOS = [
     # Verify: k = 7 with scripted accept/reject (0..6 drafts accepted), then local lengths recomputed.
     Scenario(mode="verify", dcp_size=2, tp_size=2, batch=3, contexts=(1, 5, 20), draft_len=7, steps=3, seed=5),
     Scenario(mode="verify", dcp_size=4, tp_size=4, batch=2, contexts=(2, 9), draft_len=3, steps=2, seed=6),
@@ -29,7 +29,7 @@ SCENARIOS = [
 
 
 @pytest.mark.parametrize(
-    "scenario", SCENARIOS,
+    "scenario", GLOO_SCENARIOS,
     ids=lambda s: f"{s.mode}-tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}-{s.attention_strategy}-{s.kernels}",
 )
 def test_mode_matches_dcp_size_one(scenario, scenario_results):

@@ -62,7 +62,7 @@ def case_id(case: dict) -> str:
 
 
 NPU_SCENARIOS = [dict(**case, **NPU) for case in CASES]
-"""Run by tests/distributed/conftest.py, in one spawn per TP size with the other modules' cases."""
+"""Run by tests/conftest.py, in one spawn per TP size with the other modules' cases."""
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

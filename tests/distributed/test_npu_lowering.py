@@ -68,7 +68,7 @@ def check_matches_dcp_size_one(scenario: Scenario, result: dict) -> None:
 
 
 NPU_SCENARIOS = [dict(**case, **NPU) for case in CASES + GRAPH_CASES]
-"""Run by tests/distributed/conftest.py, in one spawn per TP size with the other modules' cases."""
+"""Run by tests/conftest.py, in one spawn per TP size with the other modules' cases."""
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

@@ -29,7 +29,7 @@ from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.graph_runner import GraphRunner
 from dcp_compile.runtime.host_inputs import HostSlot
 from dcp_compile.runtime.host_metadata import HostMetadata
-from dcp_compile.harness.scenario import Scenario, compare
+from dcp_compile.harness.scenario import Scenario
 from dcp_compile.ops import targets
 from tests.npu.test_graphs import FakeGraphs
 
@@ -217,6 +217,7 @@ def test_runner_plans_before_every_replay_and_catches_a_skipped_plan(monkeypatch
 
 # --- DCP over gloo ranks ---------------------------------------------------------------------------
 
+# Run by tests/conftest.py, in one spawn per TP size with the other modules' cases.
 CASES = [
     # Decode with one-token requests (empty shards) and a padded row; pages of 8 = one local block of 4 a rank.
     Scenario(dcp_size=2, tp_size=2, batch=5, contexts=(1, 3, 30, 70, 17), steps=4, seed=21, kernels="flashinfer",
@@ -227,9 +228,14 @@ CASES = [
 ]
 
 
+INDUCTOR_AT_DCP2 = Scenario(mode="verify", draft_len=3, dcp_size=2, tp_size=2, batch=3, contexts=(1, 9, 30), steps=2,
+                            seed=23, kernels="flashinfer", page_size=8, inner_compile="inductor", layers=1)
+GLOO_SCENARIOS = CASES + [INDUCTOR_AT_DCP2]
+
+
 @pytest.mark.parametrize("scenario", CASES, ids=lambda s: f"{s.mode}-I{s.interleave}-P{s.page_size}")
-def test_dcp2_matches_dcp1(scenario):
-    result = compare(scenario)
+def test_dcp2_matches_dcp1(scenario, scenario_results):
+    result = scenario_results[scenario]
     assert result["finite"] and result["outputs_match"] and result["tokens_match"]
     assert result["max_abs_diff"] < result["tolerance"]
     assert result["pass_summary"]["lower_flashinfer_attention"] > 0
@@ -260,10 +266,8 @@ def test_inductor_equals_eager_at_dcp1_and_plans_every_step():
     assert len(compiled) == 3  # prefill, decode, verify: one static graph per batch shape, decode compiled once
 
 
-def test_inductor_at_dcp2_over_gloo_matches_dcp1():
-    scenario = Scenario(mode="verify", draft_len=3, dcp_size=2, tp_size=2, batch=3, contexts=(1, 9, 30), steps=2,
-                        seed=23, kernels="flashinfer", page_size=8, inner_compile="inductor", layers=1)
-    result = compare(scenario)
+def test_inductor_at_dcp2_over_gloo_matches_dcp1(scenario_results):
+    result = scenario_results[INDUCTOR_AT_DCP2]
     assert result["finite"] and result["outputs_match"] and result["tokens_match"]
     assert result["max_abs_diff"] < result["tolerance"]
     assert result["pass_summary"]["lower_flashinfer_attention"] > 0
