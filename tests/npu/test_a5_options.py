@@ -121,8 +121,10 @@ def test_nz_round_trip_element_by_element(writer):
 def test_a_planted_nz_off_by_one_fails_the_comparison(default_run, monkeypatch):
     want = default_run[0]
     monkeypatch.setenv(standin.PLANT_ENV, "nz-off-by-one")
-    got = _run(**ALL[4])[0]  # nz, v1, split
-    assert any((a - b).abs().max() > 0.02 * b.abs().max() for a, b in zip(got, want))
+    # The prefill (its 140-token row through gather-kv) and the decode step, FIA's first read of
+    # the NZ cache; the verify steps would add time, not a read the plant has not already spoiled.
+    got = _run(steps=STEPS[:2], **ALL[4])[0]  # nz, v1, split
+    assert len(got) == 2 and any((a - b).abs().max() > 0.02 * b.abs().max() for a, b in zip(got, want))
 
 
 def test_an_npu_graph_updates_fia_v2_by_its_own_names():
