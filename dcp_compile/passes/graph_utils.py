@@ -28,6 +28,15 @@ def normalize_meta(graph: fx.Graph) -> None:
             node.meta["val"] = node.meta["example_value"]
 
 
+def record_example_values(graph: fx.Graph) -> None:
+    """The reverse of normalize_meta for the nodes passes inserted: `example_value` where only
+    `val` is set. AOTAutograd's cache accepts a method call only on a node that has one (it
+    bypasses the cache otherwise, and a warm start then redoes the whole AOT trace)."""
+    for node in graph.nodes:
+        if "example_value" not in node.meta and "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
+
+
 _FAKE_MODES: "weakref.WeakKeyDictionary[fx.Graph, object]" = weakref.WeakKeyDictionary()
 
 

@@ -21,7 +21,7 @@ from dcp_compile.passes.gather_kv_attention import GatherKVAttention
 from dcp_compile.passes.guard_batch import GuardBatch
 from dcp_compile.passes.cleanup import Cleanup
 from dcp_compile.passes.fuse_projections import FuseProjections
-from dcp_compile.passes.graph_utils import mutated_inputs, normalize_meta, op_counts
+from dcp_compile.passes.graph_utils import mutated_inputs, normalize_meta, op_counts, record_example_values
 from dcp_compile.passes.local_metadata import LocalMetadata
 from dcp_compile.passes.overlap_collectives import OverlapCollectives
 from dcp_compile.passes.gather_q_attention import GatherQAttention
@@ -128,6 +128,7 @@ class PassManager:
             log.info("pass %-18s ran=%s sites=%d nodes %d -> %d in %.2f ms", record.name, ran, sites,
                      record.nodes_before, record.nodes_after, elapsed)
             records.append(record)
+        record_example_values(gm.graph)
         report = PassReport(records)
         for observer in self.observers:
             if hasattr(observer, "pipeline_done"):

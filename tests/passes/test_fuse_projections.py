@@ -160,12 +160,24 @@ def test_weights_an_earlier_unfused_graph_reads_stay_where_they_are():
     assert found["sites"] == 0 and (module.a.data_ptr(), module.b.data_ptr()) == pointers
 
 
-def test_under_inductor_the_fused_model_matches_the_unfused_one():
+def test_under_inductor_the_fused_model_matches_the_unfused_one_and_a_second_start_loads_the_aot_cache():
     """Inductor checks its example inputs against what dynamo traced: the parameters are pointed
-    at the fused weight only after it compiled."""
+    at the fused weight only after it compiled. A second start (a fresh model of other weights,
+    dynamo reset) loads the compiled graph from AOTAutograd's cache: before the passes' nodes
+    carried `example_value`, that cache refused the fused graph, and a warm start redid the
+    whole AOT trace (23.6 s against 15.5 s for the 61-layer step on an H200)."""
+    from torch._dynamo.utils import counters
+
+    first = dcp_compile.apply(_model(seed=7), 1, fuse_projections="on", inner_compile="inductor")
+    _steps(first)
+    torch._dynamo.reset()
+    counters.clear()
     model = _model()
     compiled = dcp_compile.apply(model, 1, fuse_projections="on", inner_compile="inductor")
+    got = _steps(compiled)
+    assert counters["aot_autograd"]["autograd_cache_hit"] >= 1
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
     reference = _steps(dcp_compile.apply(_model(), 1, fuse_projections="off"))
-    for got, want in zip(_steps(compiled), reference):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for g, want in zip(got, reference):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
     assert model.layers[0].attn.q_a.untyped_storage().data_ptr() == model.layers[0].attn.kv_a.untyped_storage().data_ptr()
