@@ -224,7 +224,8 @@ def keeps_state(node: fx.Node) -> bool:
     return node.is_impure() or bool(written_arguments(node))
 
 
-def _storage(value):
+def storage_of(value):
+    """The storage a (fake) tensor lives in, as a hashable reference; None for anything else."""
     return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 
 
@@ -234,13 +235,13 @@ def mutated_inputs(graph: fx.Graph) -> set[str]:
     inputs = {}
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr"):
-            storage = _storage(fake_value(node))
+            storage = storage_of(fake_value(node))
             if storage is not None:
                 inputs.setdefault(storage, node.name)
     mutated = set()
     for node in graph.nodes:
         for written in written_arguments(node):
-            storage = _storage(fake_value(written)) if isinstance(written, fx.Node) else None
+            storage = storage_of(fake_value(written)) if isinstance(written, fx.Node) else None
             if storage in inputs:
                 mutated.add(inputs[storage])
     return mutated

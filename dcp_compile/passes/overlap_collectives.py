@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.graph_utils import fake_value, written_arguments
+from dcp_compile.passes.graph_utils import fake_value, keeps_state, storage_of, written_arguments
 
 c10d = torch.ops._c10d_functional
 ALL_GATHERS = (c10d.all_gather_into_tensor.default,)
@@ -36,11 +36,7 @@ def _is_collective(node: fx.Node) -> bool:
 
 def _storages(value) -> set:
     values = value if isinstance(value, (tuple, list)) else (value,)
-    found = set()
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            found.add(torch.multiprocessing.reductions.StorageWeakRef(v.untyped_storage()))
-    return found
+    return {storage_of(v) for v in values} - {None}
 
 
 def _reads(node: fx.Node) -> set:
@@ -80,17 +76,13 @@ def _needed(gather: fx.Node, window: list[fx.Node]) -> set[fx.Node]:
     return needed
 
 
-def _writes_state(node: fx.Node) -> bool:
-    return bool(written_arguments(node)) or node.is_impure()
-
-
 def hoist(gather: fx.Node) -> bool:
     """Move the nodes of `gather`'s window that it does not depend on to after it. Returns whether
     any node moved."""
     window = _window(gather)
     needed = _needed(gather, window)
     # A needed node that writes state keeps its place among the other nodes: the window starts after it.
-    writers = [i for i, node in enumerate(window) if node in needed and _writes_state(node)]
+    writers = [i for i, node in enumerate(window) if node in needed and keeps_state(node)]
     if writers:
         window = window[writers[-1] + 1:]
         needed = _needed(gather, window)
