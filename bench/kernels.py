@@ -201,7 +201,7 @@ def sweep_tilings(bench: AttentionBench, heads_list, context: int, batches, defa
 
 
 def pack_merge(torch, replays: int, batch=64, heads=32, dcp_size=2) -> dict:
-    from dcp_compile.lowering.torch import reference
+    from dcp_compile.ops import reference
     from dcp_compile.lowering.triton import merge, pack
 
     out = torch.randn(batch, dcp_size * heads, RANK_DIM, device="cuda").to(torch.bfloat16)

@@ -239,7 +239,7 @@ def main(argv=None) -> int:
         smallest = min(args.contexts)
         for k in (1, 7):
             case = Case(torch, pool_rows // PAGE, 32, min(smallest, 8192), 4, k, seed=9)
-            from dcp_compile.lowering.torch import reference
+            from dcp_compile.ops import reference
 
             from decode import median_call_seconds
 

@@ -10,7 +10,7 @@ written to --out). The exit status is 1 when any fact FAILs. Every check compare
 dcp_compile's torch reference (or the documented value), never with the stand-in; `--standin`
 runs the same checks on the stand-ins (DCP_COMPILE_NPU_EMULATOR=1 is set for you) to check the
 probe itself, and `--plant NAME` makes a stand-in depart from one fact on purpose
-(dcp_compile.lowering.npu.standin.PLANTS), which the probe must report. The facts and their
+(dcp_compile.testing.npu_standin.PLANTS), which the probe must report. The facts and their
 sources: docs/ascend.md; what the lowering does with them: docs/paged-lowerings.md.
 """
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dcp_compile.lowering.torch import reference  # noqa: E402
+from dcp_compile.ops import reference  # noqa: E402
 
 HEADS, LATENT, ROPE = 8, 512, 64
 SCALE = 1.0 / math.sqrt(LATENT + ROPE)
@@ -135,7 +135,7 @@ def fia_a5(q, q_rope, cache: PagedCache, kv_lens, version=1, nz_cache=False, que
     prefix (TND / TND_NTD, query_lens) or the masked verify (BSND with `mask` [B, 1, S, W] and S
     queries a row). Returns out [T, H, R], lse [T, H]."""
     from dcp_compile.lowering.npu.lower_attention import V2_NAMES
-    from dcp_compile.runtime import nz
+    from dcp_compile.ops import nz
 
     tokens, heads, _ = q.shape
     latent, rope = cache.latent, cache.rope
@@ -211,7 +211,7 @@ def check_fia_v2_layouts(fact: Fact, device) -> None:
 
 
 def check_masked_verify(fact: Fact, device) -> None:
-    from dcp_compile.lowering.torch.reference import rank_causal_mask
+    from dcp_compile.ops.reference import rank_causal_mask
 
     # rank 1 of 2, token-interleaved: local key i holds global position 2 i + 1; 3 queries a row
     per_row, kv_lens, prefix = 3, [3, 70, 1], [4, 137, 0]
@@ -403,7 +403,7 @@ def check_strided_keys(fact: Fact, device) -> None:
     fact.measured = {**{f"{k}_{m}": v for k, r in results.items() for m, v in r.items()}, "shard_bytes": shard_bytes,
                      "same_result": same}
     if STANDIN:
-        from dcp_compile.lowering.npu import standin
+        from dcp_compile.testing import npu_standin as standin
 
         standin.contiguous_copies.clear()
         fia(q, q_rope, paged_cache(kv_lens, 128, device, seed=11, packed=True), kv_lens)
@@ -566,7 +566,7 @@ def parse_args(argv=None):
 
 
 def setup(args) -> torch.device:
-    from dcp_compile.lowering.npu import standin
+    from dcp_compile.testing import npu_standin as standin
     from dcp_compile.runtime import devices
 
     global STANDIN

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     os.environ.setdefault(devices.EMULATOR_ENV, "1")
     devices.require_torch_npu("bench/npu_verify_cost.py")
     import dcp_compile.ops.targets  # noqa: F401 - registers dcp::
-    from dcp_compile.lowering.torch import reference
+    from dcp_compile.ops import reference
 
     device = torch.device("npu", 0)
     rank_dim, rope_dim, block = 512, 64, 128

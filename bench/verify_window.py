@@ -65,7 +65,7 @@ def merge_two(out_a, lse_a, out_b, lse_b):
     reference merge (what dcp.merge_partials computes), compiled by inductor into one kernel."""
     import torch
 
-    from dcp_compile.lowering.torch.reference import merge_lse
+    from dcp_compile.ops.reference import merge_lse
 
     return merge_lse(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]))[0]
 

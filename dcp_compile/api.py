@@ -16,7 +16,6 @@ from dcp_compile.lowering import registry
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.passes.cache_use import CacheMisuseError
 from dcp_compile.passes.graph_utils import RewriteError
-from dcp_compile.passes.manager import check_pass_names
 from dcp_compile.runtime import guards, parallel
 from dcp_compile.runtime.devices import require_torch_npu
 from dcp_compile.runtime.failure import FailureLatch
@@ -257,7 +256,7 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
         raise ValueError("this model was already applied (it is what dcp_compile.apply returned): apply the original "
                          "model once")
     config = config.replace(dcp_size=dcp_size, **config_fields) if config else DCPConfig(dcp_size=dcp_size, **config_fields)
-    check_pass_names(config.disabled_passes)
+    registry.check_pass_names(config.disabled_passes)
     from dcp_compile.hf import is_transformers_model
 
     if is_transformers_model(model):

@@ -16,7 +16,7 @@ from dcp_compile.config import INNER_COMPILERS, DCPConfig
 from dcp_compile.lowering import registry
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.models.config import MLAModelConfig, preset
-from dcp_compile.ops.internal import WINDOW_QUERIES
+from dcp_compile.ops.targets import WINDOW_QUERIES
 
 MODES = ("decode", "verify", "extend")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -25,8 +25,8 @@ from dcp_compile.debug.fake_capture import (ATTENTION_STRATEGIES, DTYPES, MAX_BA
                                             MAX_PAGE_TABLE_ENTRIES, MAX_PAGES, MODES, GraphSpec, capture)
 from dcp_compile.models import hf_config
 from dcp_compile.models.config import PRESETS, MLAModelConfig
-from dcp_compile.passes.manager import PassManager, all_pass_names, check_pass_names
-from dcp_compile.ops.internal import WINDOW_QUERIES
+from dcp_compile.passes.manager import PassManager
+from dcp_compile.ops.targets import WINDOW_QUERIES
 
 log = logging.getLogger("dcp_compile.cli.dump")
 
@@ -95,9 +95,9 @@ def register(sub) -> None:
 
 
 def _check_names(only: str | None, disabled: list[str]) -> None:
-    check_pass_names(disabled)
-    if only is not None and only not in all_pass_names():
-        raise ValueError(f"unknown pass name {only!r} for --only; passes are {list(all_pass_names())}")
+    registry.check_pass_names(disabled)
+    if only is not None and only not in registry.pass_names():
+        raise ValueError(f"unknown pass name {only!r} for --only; passes are {list(registry.pass_names())}")
     if only is not None and only in disabled:
         raise ValueError(f"--only {only} names a pass that --disable switches off")
 

@@ -30,7 +30,7 @@ from dcp_compile.models.mla import MLAModel
 from dcp_compile.models.pretrained import load_pretrained
 from dcp_compile.models.safetensors_reader import SafetensorsReader
 from dcp_compile.runtime import layout, parallel
-from dcp_compile.ops.internal import WINDOW_QUERIES
+from dcp_compile.ops.targets import WINDOW_QUERIES
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.graph_runner import GraphRunner, device_graphs
 from dcp_compile.runtime.devices import emulated_npu, require_torch_npu

@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from dcp_compile.lowering.triton.ops import triton_op
 from dcp_compile.ops import targets
-from dcp_compile.runtime import nz
+from dcp_compile.ops import nz
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.cache_use import POOL_INPUTS
 from dcp_compile.passes.graph_utils import fake_mode_of, fake_value, op_name

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from dcp_compile.lowering.base import Lowering
+from dcp_compile.passes import manager
 
 log = logging.getLogger("dcp_compile")
 AUTO = "auto"
@@ -31,6 +32,16 @@ def get(name: str) -> Lowering:
     if name not in _LOWERINGS:
         raise ValueError(f"kernels must be one of {list(names())}, got {name!r}")
     return _LOWERINGS[name]
+
+
+def pass_names() -> tuple[str, ...]:
+    """Every pass a model may run: the DCP passes and every registered back end's lowering passes."""
+    return manager.all_pass_names(p.name for lowering in _LOWERINGS.values() for p in lowering.passes())
+
+
+def check_pass_names(names) -> None:
+    """Raise for a name that no pass has (disabled_passes, the dump's --only)."""
+    manager.check_pass_names(names, pass_names())
 
 
 def resolve(kernels: str, pool, config) -> Lowering:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from dcp_compile.lowering.torch import reference
+from dcp_compile.ops import reference
 
 
 def check_mla_shapes(q_latent, q_rope, kv_cache) -> None:

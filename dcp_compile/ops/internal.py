@@ -56,8 +56,10 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from dcp_compile.lowering.torch import reference
-from dcp_compile.runtime import devices, nz
+from dcp_compile.ops import reference
+from dcp_compile.ops import nz
+from dcp_compile.runtime import devices
+from dcp_compile.runtime.batch import WINDOW_QUERIES
 
 
 @custom_op("dcp::sharded_kv_write", mutates_args=("kv_cache", "rope_cache"))
@@ -205,11 +207,6 @@ def check_metadata(req_to_token: torch.Tensor, seq_lens: torch.Tensor, q_seq_ids
 @check_metadata.register_fake
 def _(req_to_token, seq_lens, q_seq_ids, q_positions, out_loc=None):
     return q_positions.new_empty(q_positions.shape)
-
-
-WINDOW_QUERIES = 16
-"""Most query tokens per row that window attention completes (its `window`): the verify drafts
-and short extend chunks the paged lowerings serve, and FIA's MLA limit (docs/ascend.md §4.3)."""
 
 
 @custom_op("dcp::window_attention", mutates_args=())

@@ -78,18 +78,16 @@ class PassReport:
         return {"passes": [asdict(r) for r in self.records]}
 
 
-def all_pass_names() -> tuple[str, ...]:
-    """The DCP passes and every registered back end's lowering passes."""
-    from dcp_compile.lowering import registry
-
-    lowering = [p.name for name in registry.names()[1:] for p in registry.get(name).passes()]
+def all_pass_names(lowering_passes=()) -> tuple[str, ...]:
+    """The DCP passes, with the named lowering passes where a back end runs them (before the last ones)."""
     last = len(last_passes())
-    return PASS_NAMES[:-last] + tuple(dict.fromkeys(lowering)) + PASS_NAMES[-last:]
+    return PASS_NAMES[:-last] + tuple(dict.fromkeys(lowering_passes)) + PASS_NAMES[-last:]
 
 
-def check_pass_names(names) -> None:
-    known = all_pass_names()
-    unknown = [n for n in names if n not in known]
+def check_pass_names(names, known: tuple[str, ...] | None = None) -> None:
+    """Raise for a pass that cannot be disabled, and for a name not `known` (when given: the
+    lowering registry knows every back end's passes, lowering.registry.check_pass_names)."""
+    unknown = [n for n in names if known is not None and n not in known]
     if unknown:
         raise ValueError(f"unknown pass name(s) {unknown}; passes are {list(known)}")
     if any(n in ALWAYS_ON for n in names):

@@ -10,9 +10,12 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from dcp_compile.ops.internal import WINDOW_QUERIES
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.host_metadata import HostMetadata, block_table_width
+
+WINDOW_QUERIES = 16
+"""Most query tokens per row that window attention completes (its `window`): the verify drafts
+and short extend chunks the paged lowerings serve, and FIA's MLA limit (docs/ascend.md §4.3)."""
 
 
 @dataclass

@@ -7,14 +7,15 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from dcp_compile.runtime import layout, nz
+from dcp_compile.ops import nz
+from dcp_compile.runtime import layout
 
 SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KV_LAYOUTS = ("packed", "split", "nz")
 """packed: one [rows, R + P] tensor per layer. split: latent [rows, R] and rope [rows, P], two
 contiguous tensors per layer, as a kernel that takes them as two inputs needs them (Ascend's fused
 attention, docs/ascend.md §11.1). nz: the split layout's two parts in the NZ layout over the
-local blocks of the pages, [blocks, 1, D/16, block, 16] each (runtime/nz.py; Ascend's FIA with an
+local blocks of the pages, [blocks, 1, D/16, block, 16] each (ops/nz.py; Ascend's FIA with an
 NZ cache, docs/ascend.md §11.4). A kernel back end chooses (Lowering.kv_layout)."""
 
 

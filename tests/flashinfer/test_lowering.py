@@ -18,8 +18,8 @@ from dcp_compile.lowering import registry
 from dcp_compile.debug import fake_capture
 from dcp_compile.lowering import flashinfer
 from dcp_compile.lowering.flashinfer import plans as fi_plans
-from dcp_compile.lowering.flashinfer.standin import MLAPlanMetadata, ReferenceMLAWrapper
-from dcp_compile.lowering.torch import reference
+from dcp_compile.testing.flashinfer_standin import MLAPlanMetadata, ReferenceMLAWrapper
+from dcp_compile.ops import reference
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import PassManager

@@ -10,7 +10,7 @@ import torch
 
 import dcp_compile
 from dcp_compile.lowering import flashinfer
-from dcp_compile.lowering.torch import reference
+from dcp_compile.ops import reference
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime.batch import RequestTable

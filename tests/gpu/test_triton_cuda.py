@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from dcp_compile.lowering import triton as triton_kernels  # noqa: E402
-from dcp_compile.lowering.torch import reference  # noqa: E402
+from dcp_compile.ops import reference  # noqa: E402
 from dcp_compile.lowering.triton import attention, merge, metadata_builder, pack  # noqa: E402
 from dcp_compile.lowering.triton.attention_tiling import AttentionTiling, choose_tiling  # noqa: E402
 from dcp_compile.lowering.triton.launching import is_interpreted  # noqa: E402

@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from dcp_compile.lowering import paged, registry
 from dcp_compile.lowering.base import Lowering
-from dcp_compile.lowering.torch import reference
+from dcp_compile.ops import reference
 from dcp_compile.ops.targets import WINDOW_QUERIES
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig

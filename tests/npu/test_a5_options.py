@@ -22,11 +22,13 @@ import torch
 import dcp_compile
 from dcp_compile.config import DCPConfig
 from dcp_compile.lowering import triton as triton_kernels
-from dcp_compile.lowering.npu import lower_attention, standin
-from dcp_compile.lowering.torch import reference
+from dcp_compile.lowering.npu import lower_attention
+from dcp_compile.testing import npu_standin as standin
+from dcp_compile.ops import reference
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
-from dcp_compile.runtime import devices, nz
+from dcp_compile.ops import nz
+from dcp_compile.runtime import devices
 from dcp_compile.runtime.batch import RequestTable
 from tests.npu.models import TINY_512
 

@@ -12,8 +12,8 @@ import torch
 
 import dcp_compile
 from dcp_compile.harness.scenario import Scenario, compare
-from dcp_compile.lowering.npu import standin
-from dcp_compile.lowering.torch import reference
+from dcp_compile.testing import npu_standin as standin
+from dcp_compile.ops import reference
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import devices
 from dcp_compile.runtime.batch import RequestTable

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dcp_compile
-from dcp_compile.lowering.npu import standin
+from dcp_compile.testing import npu_standin as standin
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import devices
 from dcp_compile.runtime.batch import RequestTable

@@ -16,7 +16,7 @@ import dcp_compile
 from dcp_compile.cli.main import main as cli_main
 from dcp_compile.debug import fake_capture
 from dcp_compile.lowering.npu import ensure_ops
-from dcp_compile.lowering.torch import reference
+from dcp_compile.ops import reference
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import PassManager

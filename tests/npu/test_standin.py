@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dcp_compile.lowering.npu import standin
+from dcp_compile.testing import npu_standin as standin
 
 assert standin.register() is True
 

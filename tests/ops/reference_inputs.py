@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_compile.lowering.torch import reference
+from dcp_compile.ops import reference
 
 
 def random_batch(lengths, queries_per_request, heads=4, rank_dim=16, rope_dim=8, capacity=None, seed=0, width=None, dtype=torch.float32):

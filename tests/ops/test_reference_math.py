@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_compile.lowering.torch import reference
+from dcp_compile.ops import reference
 from tests.ops.reference_inputs import gather_q_attention, naive_attention, random_batch, shard_inputs
 
 SCALE = 0.3

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from dcp_compile.lowering import triton as triton_kernels  # noqa: E402
-from dcp_compile.lowering.torch import reference  # noqa: E402
+from dcp_compile.ops import reference  # noqa: E402
 from dcp_compile.lowering.triton import attention, kv_writer, merge, metadata_builder, pack  # noqa: E402
 from dcp_compile.lowering.triton.attention_tiling import AttentionTiling, choose_num_splits  # noqa: E402
 from dcp_compile.lowering.triton.launching import MAX_PROGRAMS, is_interpreted  # noqa: E402

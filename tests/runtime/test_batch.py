@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcp_compile.lowering.torch import reference
+from dcp_compile.ops import reference
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.batch import RequestTable, check_draft_len
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_compile.lowering.torch import reference
+from dcp_compile.ops import reference
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.host_metadata import HostMetadata

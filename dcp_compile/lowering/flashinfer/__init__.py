@@ -62,7 +62,7 @@ def wrapper_api(device: torch.device):
     if device.type == "cuda":
         module = _module()
         return module.BatchMLAPagedAttentionWrapper, module.MLAPlanMetadata
-    from dcp_compile.lowering.flashinfer import standin
+    from dcp_compile.testing import flashinfer_standin as standin
 
     return standin.ReferenceMLAWrapper, standin.MLAPlanMetadata
 

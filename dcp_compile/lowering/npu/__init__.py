@@ -23,7 +23,7 @@ def ensure_ops() -> str:
     if torch_npu_installed():
         importlib.import_module("torch_npu")
         return "torch_npu"
-    from dcp_compile.lowering.npu import standin
+    from dcp_compile.testing import npu_standin as standin
 
     standin.register()
     return "standin"

@@ -14,7 +14,7 @@ from dcp_compile.lowering.kv_layout import SplitKVCache
 from dcp_compile.lowering.npu.feed import FIAFeed
 from dcp_compile.lowering.npu.lower_attention import (MAX_UPDATE_SHARDS, LowerNPUAttention, NPUOptions, fia_block_size,
                                                       has_fia_v2, padded_heads)
-from dcp_compile.runtime import nz
+from dcp_compile.ops import nz
 from dcp_compile.ops.targets import WINDOW_QUERIES
 from dcp_compile.lowering.triton.lower_kernels import LowerKernels
 from dcp_compile.runtime.devices import require_torch_npu

@@ -1,7 +1,7 @@
 """Triton kernels for the internal DCP ops: one source for CUDA and triton-ascend.
 
 Each launcher has the signature and return values of the matching function in
-`dcp_compile.lowering.torch.reference`, which is what the tests compare it against:
+`dcp_compile.ops.reference`, which is what the tests compare it against:
 
     kv_write(kv_cache, latent, rope, loc, dcp_rank=0, dcp_size=1, interleave=1) -> None
     local_metadata(req_to_token, seq_lens, dcp_rank, dcp_size, interleave)

@@ -16,7 +16,8 @@ import triton.language as tl
 
 from dcp_compile.lowering.triton.launching import (block_size, cache_offsets, cache_parts, check_float, check_index,
                                                    check_same_device, grid_for, row_addressing)
-from dcp_compile.runtime import guards, layout, nz
+from dcp_compile.ops import nz
+from dcp_compile.runtime import guards, layout
 
 
 def location_error_flag(device: torch.device) -> torch.Tensor:
@@ -69,7 +70,7 @@ def kv_write(kv_cache, latent, rope, loc, dcp_rank: int = 0, dcp_size: int = 1, 
              rope_cache=None) -> None:
     """Write [latent | rope] for each token whose location this rank owns; skip location 0. With
     rope_cache (the split layout), latent goes to kv_cache [rows, R] and rope to rope_cache
-    (either of them NZ: runtime/nz.py)."""
+    (either of them NZ: ops/nz.py)."""
     layout.validate(dcp_size, dcp_rank, interleave)
     check_float("latent", latent)
     check_float("rope", rope)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_compile.runtime import nz
+from dcp_compile.ops import nz
 
 MAX_PROGRAMS = 65535
 SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,7 +69,7 @@ def is_interpreted(kernel) -> bool:
 def cache_parts(kv_cache: torch.Tensor, rope_cache: torch.Tensor | None, rank_dim: int, rope_dim: int):
     """(latent rows [rows, R], rope rows [rows, P]) of a KV cache: views of the packed
     kv_cache [rows, R + P], or the split layout's kv_cache [rows, R] and rope_cache [rows, P],
-    each of those two also possibly NZ (runtime/nz.py). Kernels address the two parts through
+    each of those two also possibly NZ (ops/nz.py). Kernels address the two parts through
     their own pointers and `row_addressing`, so one kernel serves every layout."""
     check_float("kv_cache", kv_cache)
     if rope_cache is None:
@@ -108,7 +108,7 @@ def row_addressing(part: torch.Tensor) -> tuple[int, int, int]:
 @triton.jit
 def cache_offsets(rows, cols, stride_row, stride_col, NZ_BLOCK: tl.constexpr):
     """Element offsets of (rows, cols) in a cache part (broadcast): a strided [rows, D] part where
-    NZ_BLOCK is 0, else NZ: channel d of row r at [r // B, 0, d // 16, r % B, d % 16] (runtime/nz.py)."""
+    NZ_BLOCK is 0, else NZ: channel d of row r at [r // B, 0, d // 16, r % B, d % 16] (ops/nz.py)."""
     if NZ_BLOCK > 0:
         offsets = (rows // NZ_BLOCK) * stride_row + (rows % NZ_BLOCK) * 16 + (cols // 16) * (NZ_BLOCK * 16) + cols % 16
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dcp_compile.lowering.torch.reference import lse_words
+from dcp_compile.ops.reference import lse_words
 from dcp_compile.lowering.triton.launching import block_size, check_float, grid_for
 from dcp_compile.lowering.triton.lse_packing import load_lse_words
 from dcp_compile.lowering.triton.pack import NUM_WARPS, rows_per_program

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_compile.lowering.torch.reference import first_query_positions
+from dcp_compile.ops.reference import first_query_positions
 from dcp_compile.lowering.triton.launching import (
     block_size,
     cache_offsets,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from dcp_compile.runtime import guards, layout, nz
+from dcp_compile.ops import nz
+from dcp_compile.runtime import guards, layout
 
 
 def check_write_locations(loc: torch.Tensor, num_rows: int, dcp_size: int, interleave: int) -> None:
@@ -80,7 +81,7 @@ def _raise_bad_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity: int, 
 def cache_rows(kv_cache, rope_cache, index):
     """Rows [..., R + P] of the cache at `index`: of the packed kv_cache [rows, R + P], or of the
     split layout's latent kv_cache [rows, R] and rope_cache [rows, P] (docs/ascend.md §11.1), each
-    [rows, D] or NZ (runtime/nz.py)."""
+    [rows, D] or NZ (ops/nz.py)."""
     rows = nz.read_rows(kv_cache, index)
     return rows if rope_cache is None else torch.cat([rows, nz.read_rows(rope_cache, index)], dim=-1)
 

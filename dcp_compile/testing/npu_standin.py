@@ -164,7 +164,7 @@ MLA_MAX_QUERIES_PER_REQUEST = 16
 MLA_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_NBSD", "BSND_NBSD", "BSH_NBSD", "TND", "TND_NTD")
 IMPLEMENTED_LAYOUTS = ("BSND", "BNSD", "TND", "BSND_NBSD", "TND_NTD")
 NZ_FORBIDDEN_LAYOUTS = ("BNSD", "BNSD_NBSD")  # docs/ascend.md §11.4
-# The NZ layout is restated here rather than taken from runtime/nz.py: FIA's read of it is a
+# The NZ layout is restated here rather than taken from ops/nz.py: FIA's read of it is a
 # model of its own, so that an NZ index the project's writers get wrong fails the comparisons.
 NZ_BLOCK_SIZE = 128  # docs/ascend.md §11.4: "16 or 128, not 16 with NZ"
 NZ_GROUP = 16
