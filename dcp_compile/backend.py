@@ -31,7 +31,6 @@ def pass_config(config: DCPConfig, parallel: ParallelState, strategy: str, page_
         debug_checks=config.debug_checks,
         attention_strategy=strategy,
         fuse_projections=config.fuse_projections == "on",
-        skinny_matmuls=config.skinny_matmuls == "on",
         page_size=page_size,
     )
 
@@ -43,16 +42,14 @@ def _own_graph(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _inner_compiler(config: DCPConfig):
+def _inner_compiler(config: DCPConfig, lowering: Lowering):
     if config.inner_compile == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx
-    if config.inner_compile == "torchair":
-        from dcp_compile.lowering.npu.inner_compile import torchair_compiler
-
-        return torchair_compiler(config.torchair_mode)
-    return lambda gm, example_inputs: gm.forward
+    if config.inner_compile == "eager":
+        return lambda gm, example_inputs: gm.forward
+    return lowering.inner_compiler(config.inner_compile)  # one of the back end's own
 
 
 class DCPBackend:
@@ -99,7 +96,7 @@ class DCPBackend:
         if feed is not None:
             self.host_slot.feed(feed)  # this step's values: the examples the inner compiler sees
             example_inputs = list(example_inputs) + feed.examples()
-        compiled = _inner_compiler(self.config)(gm, example_inputs)
+        compiled = _inner_compiler(self.config, self.lowering)(gm, example_inputs)
         finish_fusion(gm)
         if feed is None:
             return compiled

@@ -17,7 +17,7 @@ STRATEGIES = cost_model.STRATEGIES + (REPLICATED_Q,)
 def require_replicated_back_end(lowering: Lowering, who: str) -> None:
     """replicated-q lowers through back ends that plan nothing on the host and keep the packed KV
     layout; `who` names what runs it, for the error."""
-    if lowering.plans_on_host or lowering.kv_layout != "packed":
+    if lowering.plans_on_host or not lowering.kv_layout.packed:
         raise ValueError(f"kernels={lowering.name!r}: {who} runs {REPLICATED_Q!r}, which only back ends that plan "
                          "nothing on the host and keep the packed KV layout serve (torch, triton)")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dcp_compile import cost_model
-from dcp_compile.config import INNER_COMPILERS, DCPConfig
+from dcp_compile.config import DCPConfig
 from dcp_compile.lowering import registry
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.models.config import MLAModelConfig, preset
@@ -61,13 +61,10 @@ class Workload:
     debug_checks: bool = False
     """Run the debug-check passes too."""
     inner_compile: str = "auto"
-    """The DCP model's inner compiler (DCPConfig.inner_compile: auto, eager, inductor, torchair)."""
-    npu_kv_format: str = "nd"
-    """kernels='npu': DCPConfig.npu_kv_format of the DCP model ('nd' or 'nz')."""
-    fia_version: int = 1
-    """kernels='npu': DCPConfig.fia_version of the DCP model (1 or 2)."""
-    npu_verify: str = "split"
-    """kernels='npu': DCPConfig.npu_verify of the DCP model ('split' or 'mask')."""
+    """The DCP model's inner compiler (DCPConfig.inner_compile: auto, eager, inductor, or one of the back end's own)."""
+    options: tuple = ()
+    """The DCP model's back-end option values by name (DCPConfig.options; a dict is taken too),
+    checked by the back end; the dcp_size=1 baseline keeps its back end's defaults."""
 
     default_dtype = "float32"
     device_type = "cpu"
@@ -90,10 +87,11 @@ class Workload:
         if not 1 <= self.draft_len <= WINDOW_QUERIES:
             raise ValueError(f"draft-len must be in [1, {WINDOW_QUERIES}] (verify's k), got {self.draft_len}")
         cost_model.check_strategy(self.attention_strategy)
-        if self.inner_compile not in INNER_COMPILERS:
-            raise ValueError(f"inner-compile must be one of {list(INNER_COMPILERS)}, got {self.inner_compile!r}")
-        lowering = self.lowering()  # an unknown back end raises here
-        self.config().check_options(lowering)
+        if self.inner_compile not in registry.inner_compilers():
+            raise ValueError(f"inner-compile must be one of {list(registry.inner_compilers())}, got {self.inner_compile!r}")
+        if isinstance(self.options, dict):
+            object.__setattr__(self, "options", tuple(sorted(self.options.items())))
+        lowering = self.lowering()  # an unknown back end, or an option it does not read, raises here
         if self.model is None:
             object.__setattr__(self, "model", SMALL_PRESETS.get(lowering.model_dims, "tiny"))
         if self.dtype is None:
@@ -129,7 +127,8 @@ class Workload:
         """The back end `kernels` names; for 'auto', the one it resolves to on this device (the
         page rules of CUDA's two, FlashInfer and Triton, are the same: any page)."""
         name = self.kernels if self.kernels != registry.AUTO else ("npu" if self.device_type == "npu" else "torch")
-        return registry.get(name).configured(self.config())
+        lowering = registry.get(name)
+        return lowering.configured(lowering.make_options(self.options))
 
     def pages_for(self, dcp_size: int) -> int:
         """The page size of the model at `dcp_size`."""
@@ -153,11 +152,7 @@ class Workload:
     def config(self, **fields) -> DCPConfig:
         return DCPConfig(dcp_size=self.dcp_size, interleave=self.interleave, kernels=self.kernels,
                          attention_strategy=self.attention_strategy, debug_checks=self.debug_checks,
-                         inner_compile=self.inner_compile, **{**self.npu_fields(), **fields})
-
-    def npu_fields(self) -> dict:
-        """The DCP model's options of kernels='npu' (DCPConfig fields)."""
-        return dict(npu_kv_format=self.npu_kv_format, fia_version=self.fia_version, npu_verify=self.npu_verify)
+                         inner_compile=self.inner_compile, options=self.options, **fields)
 
     def model_config(self) -> MLAModelConfig:
         cfg = preset(self.model)

@@ -13,8 +13,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from dcp_compile.cli import npu_flags
-from dcp_compile.config import INNER_COMPILERS
+from dcp_compile.cli import backend_flags
+
 from dcp_compile.lowering import registry
 from dcp_compile.cost_model import STRATEGIES
 from dcp_compile.runtime.launch import DEFAULT_TIMEOUT_S
@@ -91,8 +91,8 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int, default=128,
                    help="--kernels npu: FIA block size, 16 or 128 (default 128, as the engines use; 16 makes short "
                         "contexts cross blocks); pages are block x dcp_size locations")
-    npu_flags.add(p)
-    p.add_argument("--inner-compile", default="auto", choices=INNER_COMPILERS,
+    backend_flags.add(p)
+    p.add_argument("--inner-compile", default="auto", choices=registry.inner_compilers(),
                    help="the DCP model's compiler after the DCP passes: eager (run the FX graph), inductor, torchair "
                         "(Ascend; needs torch_npu), or auto (default: inductor with flashinfer or triton on CUDA, else "
                         "eager); the dcp_size=1 baseline runs eager")
@@ -132,7 +132,7 @@ def run(args) -> int:
         interleave=args.interleave, pad_rows=args.pad_rows, kernels=args.kernels, block_size=args.block_size,
         device=args.device, timeout=args.timeout, inner_compile=args.inner_compile,
         model=args.model, dtype=args.dtype,
-        checkpoint=args.checkpoint, prompt_ids=prompt_ids, graphs=args.graphs, **npu_flags.fields(args),
+        checkpoint=args.checkpoint, prompt_ids=prompt_ids, graphs=args.graphs, options=backend_flags.values(args),
     )
     if args.launch == "torchrun":
         result, rank = compare_torchrun(scenario)

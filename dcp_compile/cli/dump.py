@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from dcp_compile.cli import npu_flags
+from dcp_compile.cli import backend_flags
 from dcp_compile.lowering import registry
 from dcp_compile.debug import dump as text_dump
 from dcp_compile.debug.fake_capture import (ATTENTION_STRATEGIES, DTYPES, MAX_BATCH, MAX_CONTEXT, MAX_LAYERS,
@@ -90,7 +90,7 @@ def register(sub) -> None:
                    help="kernels the lowering picks (flashinfer: FlashInfer MLA nodes with their host plans; npu: Ascend "
                         "FIA and npu_attention_update nodes; default auto)")
     p.add_argument("--block-size", type=int, default=128, help="--kernels npu: FIA block size (default 128)")
-    npu_flags.add(p)
+    backend_flags.add(p)
     p.set_defaults(handler=run)
 
 
@@ -111,6 +111,7 @@ def _command(args) -> str:
         value = getattr(args, option)
         if value is not None:
             parts += [f"--{option.replace('_', '-')}", str(value)]
+    parts += backend_flags.spelled(args)
     parts += [item for name in args.disable for item in ("--disable", name)]
     return " ".join(parts + (["--debug-checks"] if args.debug_checks else []))
 
@@ -146,7 +147,7 @@ def run(args) -> int:
                   mode=args.mode, batch=args.batch, draft_len=args.draft_len, chunk=args.chunk,
                   context=args.context, interleave=args.interleave, page_size=args.page_size, dtype=args.dtype,
                   debug_checks=args.debug_checks, attention_strategy=args.attention_strategy, kernels=args.kernels,
-                  block_size=args.block_size, **npu_flags.fields(args))
+                  block_size=args.block_size, options=backend_flags.values(args))
     if args.checkpoint is not None:
         if args.model is not None:
             raise ValueError("--model and --checkpoint exclude each other: the checkpoint's config.json is the model")

@@ -135,9 +135,9 @@ class Scenario(Workload):
             return
         cfg = self.model_config()
         pool = PoolSpec(torch.device(self.device), cfg.kv_lora_rank, cfg.qk_rope_head_dim, DTYPES[self.dtype], self.pages)
-        reason = self.lowering().unsupported_reason(pool, self.config())
-        if reason is not None:
-            raise ValueError(f"--kernels {self.kernels}: {reason}")
+        reasons = self.lowering().unsupported_reasons(pool, self.config())
+        if reasons:
+            raise ValueError(f"--kernels {self.kernels}: {'; '.join(reasons)}")
 
     def _check_pages(self) -> None:
         """Both models' pages tile the pool (the KV pool and the request table need it)."""
@@ -338,7 +338,7 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
             model = load_pretrained(scenario.checkpoint, num_layers=scenario.layers, **common)
         else:
             model = MLAModel(cfg, seed=scenario.seed, **common)
-        options = scenario.npu_fields() if dcp_size > 1 else {}  # the baseline keeps the defaults
+        options = dict(scenario.options) if dcp_size > 1 else {}  # the baseline keeps its back end's defaults
         return api.apply(model, dcp_size, interleave=scenario.interleave if dcp_size > 1 else 1, **options,
                          debug_checks=scenario.debug_checks, attention_strategy=scenario.attention_strategy,
                          kernels=scenario.kernels if dcp_size > 1 else scenario.baseline_kernels,
@@ -368,7 +368,7 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         "tokens_total": int(used.numel()),
         "capacity": state.capacity.as_dict(),
         "inner_compile": state.config.inner_compile,
-        "kv_layout": state.kv_pool.layout,
+        "kv_layout": state.kv_pool.layout.name,
         "pass_summary": state.pass_summary(),
         "graphs": len(state.reports),
         "graph_replays": dcp.replays,

@@ -1,24 +1,26 @@
 """The lowering interface: one object per kernel back end (torch, triton, flashinfer, npu, or one
 registered from outside the package), looked up by name in lowering/registry.py.
 
-Everything above lowering/ (apply, the backend, the compiled model, the demo, the dump) asks a
-back end through these methods and never names one:
+A back end owns its parts, and everything above lowering/ (binding, the compiled step, the
+backend, the demo, the dump) asks it through these members and never names one:
 
-- serves: `unsupported_reason(pool, config)`: None, or one reason string;
-- its options: `options` (the DCPConfig fields it reads; apply refuses the others set away from
-  their defaults) and `configured(config)`, the back end with them applied, which apply keeps;
-- checks at apply: `check(model, pool, config)`; `prepare(pool, config)` (a kernel build);
-- its passes: `passes()`, run after the DCP rewrites, before cleanup and the verifier;
+- its options: `Options`, a frozen dataclass of its own (one field per option, a docstring
+  each, `metadata` giving the CLI flag's choices); `options`, the values it was configured with;
+  `configured(options)` and `resolve_options(pool)` (its 'auto' choices);
+- one way to say no: `unsupported_reasons(pool, config, model=None)`, a list of reasons;
+  `check_layout(page_size, dcp_size, interleave)` for pages alone (the demo's flags);
+- its KV layout: `kv_layout` (a runtime.kv_pool.KVLayout: the shapes a generic pool allocates),
+  `page_size(dcp_size, interleave, block_size)` (the pages its kernels read, where it sets
+  them), `model_dims` and `dtypes` (data: the widths and dtypes its kernels take);
+- its passes: `passes()`, run after the DCP rewrites, before cleanup and the verifier, and its
+  answer to `fuse_projections='auto'`;
+- its inner compilers: `inner_compilers` (the names it runs under, 'eager' and 'inductor' or
+  its own), `inner_compile(pool)` for 'auto', `inner_compiler(name)` for one of its own;
+- work at apply: `prepare(pool, config)` (a kernel build);
 - its query limit: `window` tokens per request where `windowed(dcp_size)`, more going to the
   gather-kv strategy, which `strategies(dcp_size)` then compiles at dcp_size 1 too;
-- its KV layout: `kv_layout` (the pool's rows packed, or split in two tensors),
-  `page_size(dcp_size, interleave, block_size)` (the pages its kernels read,
-  where it sets them), `check_layout(page_size, dcp_size, interleave)`, `model_dims` (the
-  latent and rope widths it needs) and `dtypes`;
-- its inner compiler where the config says 'auto': `inner_compile(pool)` (the fastest measured),
-  and `skinny_matmuls(pool)`;
 - which dcp_size=1 baseline a comparison runs it against: `baseline` (the demo);
-- its graphs' shapes: `static_shapes(strategy)` (planned per batch shape on the host);
+- its graphs' shapes: `static_shapes(strategy, inner_compile)` (planned per batch shape);
 - its host inputs: `plans_on_host` (each step needs the batch's host metadata) and
   `host_feed(gm, dcp_rank)`, the runtime.host_inputs.HostFeed of a lowered graph, which the
   backend and the graph runner feed before every run and replay.
@@ -26,63 +28,130 @@ back end through these methods and never names one:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
 from dcp_compile.runtime.host_inputs import HostFeed
+from dcp_compile.runtime.kv_pool import PACKED, KVLayout
+
+GENERIC_INNER_COMPILERS = ("eager", "inductor")
+
+
+class Unsupported(ValueError):
+    """A back end cannot serve this pool, model or config (its unsupported_reasons)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """A back end's options (this one has none). A back end subclasses it with one field per
+    option; `field(metadata={"choices": ..., "help": ...})` gives the CLI flag (`--name-with-
+    dashes`, or metadata["flag"], taking metadata["flag_choices"] where given, which
+    metadata["parse"] turns into the value)."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            choices = field.metadata.get("choices")
+            value = getattr(self, field.name)
+            if choices is not None and (value not in choices or isinstance(value, bool) != isinstance(choices[0], bool)):
+                raise ValueError(f"{field.name} must be one of {list(choices)}, got {value!r}")
+
+    def changed(self) -> dict:
+        """The options set away from their defaults."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
 
 
 class Lowering:
     name: str = ""
     description: str = ""
     """One line for --help and logs."""
+    Options: type[Options] = Options
+    """Its options' dataclass."""
+    options: Options = Options()
+    """The options it was configured with (configured())."""
     window: int | None = None
     """Most query tokens per request its attention over the pool serves, where windowed()."""
     model_dims: tuple[int, int] | None = None
     """(kv_lora_rank, rope dim) its kernels need, or None for any."""
     dtypes: tuple[torch.dtype, ...] | None = None
     """KV cache dtypes its kernels take, or None for any."""
-    kv_layout: str = "packed"
-    """How the pool holds a layer's rows for its kernels (runtime.kv_pool.KV_LAYOUTS): 'packed',
-    or 'split', whose lowering then ends with lowering.kv_layout.SplitKVCache."""
+    kv_layout: KVLayout = PACKED
+    """How the pool holds a layer's rows for its kernels (a KVLayout the pool allocates)."""
     plans_on_host: bool = False
     """Whether its kernels read host metadata of each step (lengths, block tables, plans)."""
-    options: tuple[str, ...] = ()
-    """DCPConfig fields that only this back end reads (config.BACK_END_OPTIONS)."""
+    inner_compilers: tuple[str, ...] = GENERIC_INNER_COMPILERS
+    """The inner compilers its graphs run under (DCPConfig.inner_compile)."""
     baseline: str | None = None
     """The back end a DCP run of it is compared with at dcp_size 1 (None: the torch reference on
     the CPU, 'auto' on a device); itself where its numerics differ from the reference's."""
 
-    def configured(self, config) -> "Lowering":
-        """This back end with the options `config` sets for it (a copy where they change anything)."""
-        return self
+    def make_options(self, given) -> Options:
+        """Its Options from DCPConfig.options: an instance of it, or option values by name."""
+        if isinstance(given, Options):
+            if not isinstance(given, self.Options):
+                raise ValueError(f"options {given!r} are not kernels={self.name!r}'s ({self.Options.__name__})")
+            return given
+        values = dict(given or ())
+        known = {f.name for f in dataclasses.fields(self.Options)}
+        for name, value in values.items():
+            if name not in known:
+                from dcp_compile.lowering import registry
 
-    def unsupported_reason(self, pool, config) -> str | None:
-        """Why it cannot serve `pool` (its device, widths, dtype, pages) under `config`; None if it can."""
+                owners = registry.option_owners(name)
+                owner = f" is an option of kernels={owners[0]!r};" if owners else " is no option of any back end:"
+                raise ValueError(f"{name}={value!r}{owner} kernels={self.name!r} does not read it"
+                                 + (f" (its options: {sorted(known)})" if known else ""))
+        return self.Options(**values)
+
+    def configured(self, options: Options) -> "Lowering":
+        """This back end with `options` (a copy where they differ from its own)."""
+        if options == self.options:
+            return self
+        lowering = copy.copy(self)
+        lowering.options = options
+        return lowering
+
+    def resolve_options(self, pool) -> Options:
+        """Its options with each 'auto' decided for this pool."""
+        return self.options
+
+    def unsupported_reasons(self, pool, config, model=None) -> list[str]:
+        """Why it cannot serve `pool` (its device, widths, dtype, pages), `model` and `config`
+        (every 'auto' resolved); empty where it can. By default: model_dims, dtypes, check_layout."""
+        reasons = []
         if self.model_dims is not None and (pool.kv_lora_rank, pool.rope_dim) != self.model_dims:
-            return (f"kernels={self.name!r} needs kv_lora_rank {self.model_dims[0]} and a rope dim of {self.model_dims[1]}, "
-                    f"the KV pool has {pool.kv_lora_rank} and {pool.rope_dim}")
+            reasons.append(f"its kernels need kv_lora_rank {self.model_dims[0]} and a rope dim of {self.model_dims[1]}, "
+                           f"the KV pool has {pool.kv_lora_rank} and {pool.rope_dim}")
         if self.dtypes is not None and pool.dtype not in self.dtypes:
-            return f"kernels={self.name!r} takes a {' or '.join(map(str, self.dtypes))} KV cache, not {pool.dtype}"
-        return None
+            reasons.append(f"it takes a {' or '.join(map(str, self.dtypes))} KV cache, not {pool.dtype}")
+        try:
+            self.check_layout(pool.page_size, config.dcp_size, config.interleave)
+        except ValueError as exc:
+            reasons.append(str(exc))
+        return reasons
 
-    def check(self, model, pool, config) -> None:
-        """Checks at apply; raise if one fails. By default: unsupported_reason, then check_layout."""
-        reason = self.unsupported_reason(pool, config)
-        if reason is not None:
-            raise RuntimeError(f"kernels={self.name!r}: {reason}")
-        self.check_layout(pool.page_size, config.dcp_size, config.interleave)
+    def check(self, pool, config, model=None) -> None:
+        """Raise Unsupported with every reason unsupported_reasons gives."""
+        reasons = self.unsupported_reasons(pool, config, model)
+        if reasons:
+            raise Unsupported(f"kernels={self.name!r}: " + "; ".join(reasons))
 
     def prepare(self, pool, config) -> None:
         """Work at apply that no step should pay (building a kernel)."""
 
     def inner_compile(self, pool) -> str:
-        """The inner compiler for inner_compile='auto' (config.INNER_COMPILERS): 'eager' by default."""
+        """The inner compiler for inner_compile='auto': 'eager' by default."""
         return "eager"
 
-    def skinny_matmuls(self, pool) -> bool:
-        """skinny_matmuls='auto': whether its passes run few-token projections through the
-        skinny-matmul kernel on this pool (where the kernel has configs tuned for its GPU)."""
+    def inner_compiler(self, name: str):
+        """The `(gm, example_inputs) -> callable` compiler of one of its own inner_compilers."""
+        raise ValueError(f"kernels={self.name!r} has no inner compiler {name!r}")
+
+    def fuse_projections(self, pool) -> bool:
+        """fuse_projections='auto': whether fusing the projections pays on this pool."""
         return False
 
     def passes(self) -> list:
@@ -100,8 +169,9 @@ class Lowering:
             return ("gather-q", "gather-kv")
         return ("gather-q",)
 
-    def static_shapes(self, strategy: str) -> bool:
-        """Whether this strategy's graphs are compiled per batch shape (planned on the host)."""
+    def static_shapes(self, strategy: str, inner_compile: str) -> bool:
+        """Whether this strategy's graphs are compiled per batch shape (planned on the host, or
+        captured whole by its inner compiler)."""
         return False
 
     def page_size(self, dcp_size: int, interleave: int, block_size: int) -> int | None:

@@ -1,7 +1,8 @@
 """The split KV layout: a back end whose kernels take a layer's latent and rope rows as two
-contiguous tensors (Ascend FIA: `key` and `key_rope`, docs/ascend.md §11.1) has the pool hold
-them so (runtime.kv_pool, layout 'split'), and this pass, its last, points every reader and
-writer of a layer's cache at the two parts.
+contiguous tensors (Ascend FIA: `key` and `key_rope`, docs/ascend.md §11.1) declares
+`SplitLayout` (or a subclass) as its Lowering.kv_layout, so that the pool holds them so, and ends
+its passes with this one, which points every reader and writer of a layer's cache at the two
+parts.
 
     before: dcp_triton.sharded_kv_write(cache, latent, rope, loc, r, N, I)
             key = aten.slice(cache, 1, 0, R); key_rope = aten.slice(cache, 1, R, R + P)
@@ -10,11 +11,11 @@ writer of a layer's cache at the two parts.
             key = cache_latent; key_rope = cache_rope
             dcp_triton.window_attention(..., cache_latent, ..., rope_cache=cache_rope); ...
 
-In the pool's nz layout (Ascend FIA's NZ cache, docs/ascend.md §11.4) the two parts are NZ
-tensors [blocks, 1, D/16, block, 16], which the readers and writers above address themselves;
-FIA's views of the cache are `dcp.nz_kv_blocks(cache, R, block)` there, not slices:
+A layout whose parts are not row-major (the NPU back end's NZ layout, lowering/npu/kv_layout.py)
+is read through an op of the back end that returns both parts of the cache, named in
+`part_views`, not through slices:
 
-    before: latent_nz, rope_nz = dcp.nz_kv_blocks(cache, R, block)
+    before: latent_nz, rope_nz = dcp_npu.nz_kv_blocks(cache, R, block)
     after:  latent_nz = cache_latent; rope_nz = cache_rope
 
 `cache_latent` and `cache_rope` are the pool's tensors themselves, attributes of the graph
@@ -31,14 +32,25 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.lowering.triton.ops import triton_op
-from dcp_compile.ops import targets
-from dcp_compile.ops import nz
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.cache_use import POOL_INPUTS
 from dcp_compile.passes.graph_utils import fake_mode_of, fake_value, op_name
 from dcp_compile.passes.verify import CAPTURED_MUTATIONS
+from dcp_compile.runtime.kv_pool import KVLayout
 
 aten = torch.ops.aten
+
+
+class SplitLayout(KVLayout):
+    """A layer's latent rows [rows, R] and rope rows [rows, P], two contiguous tensors."""
+
+    name = "split"
+    packed = False
+    row_major = True
+    """The parts are [rows, D]: a slice of the packed cache's columns is one of them."""
+
+    def part_shapes(self, rows: int, kv_lora_rank: int, rope_dim: int, pool) -> tuple[tuple[int, ...], ...]:
+        return (rows, kv_lora_rank), (rows, rope_dim)
 
 
 def _cache_readers() -> dict:
@@ -54,19 +66,28 @@ def _cache_readers() -> dict:
 class SplitKVCache(GraphPass):
     name = "split_kv_cache"
 
+    def __init__(self, part_views: dict | None = None, readers: dict | None = None):
+        """part_views: {op: check(call_node, pool)} for the back end's ops whose call
+        op(cache, ...) returns (latent, rope) views of a cache in its layout: each call is replaced
+        by the pool's two parts after check raises a ValueError where its arguments do not match.
+        readers: {op: index of its kv_cache argument} for the back end's own ops that read a
+        cache and take its rope part as `rope_cache` (besides the package's own readers)."""
+        self.part_views = dict(part_views or {})
+        self.readers = dict(readers or {})
+
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         if POOL_INPUTS not in gm.meta:
             raise RuntimeError("split_kv_cache needs the KV pool bound to the graph (passes.cache_use.bind_pool)")
         pool, layers = gm.meta[POOL_INPUTS]
-        if pool.layout not in ("split", "nz"):
-            raise RuntimeError(f"split_kv_cache runs on a pool in the split or nz layout; this one is {pool.layout!r}")
-        readers = _cache_readers()
+        if not isinstance(pool.layout, SplitLayout):
+            raise RuntimeError(f"split_kv_cache runs on a pool in a split layout; this one is {pool.layout.name!r}")
+        readers = {**_cache_readers(), **self.readers}
         rewritten = 0
         captured = gm.meta.get(CAPTURED_MUTATIONS)
         for node in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in layers]:
             latent, rope = self._parts(gm, node, pool, layers[node.name])
             for user in list(node.users):
-                self._rewrite(gm.graph, user, node, latent, rope, pool, readers)
+                self._rewrite(gm.graph, user, node, latent, rope, pool, readers, self.part_views)
                 rewritten += 1
             if captured is not None and node.name in captured:
                 # The layer's writes moved to its two parts: the verifier checks those now.
@@ -88,7 +109,7 @@ class SplitKVCache(GraphPass):
 
     @staticmethod
     def _rewrite(graph: fx.Graph, user: fx.Node, cache: fx.Node, latent: fx.Node, rope: fx.Node, pool,
-                 readers: dict) -> None:
+                 readers: dict, part_views: dict) -> None:
         rank_dim = pool.kv_lora_rank
         if user.op == "call_function" and user.target in readers and user.args[readers[user.target]] is cache:
             args = list(user.args)
@@ -96,17 +117,15 @@ class SplitKVCache(GraphPass):
             user.args = tuple(args)
             user.kwargs = {**user.kwargs, "rope_cache": rope}
             return
-        if user.op == "call_function" and user.target is targets.NZ_KV_BLOCKS and user.args[0] is cache:
-            if pool.layout != "nz" or user.args[1] != rank_dim or user.args[2] != nz.block_of(pool.parts(0)[0]):
-                raise ValueError(f"dcp.nz_kv_blocks{tuple(user.args[1:])} reads NZ blocks, but the pool's layout is "
-                                 f"{pool.layout!r}" + (f" with blocks of {pool.nz_block()}" if pool.layout == "nz" else ""))
+        if user.op == "call_function" and user.target in part_views and user.args[0] is cache:
+            part_views[user.target](user, pool)
             for getitem in list(user.users):
                 getitem.replace_all_uses_with((latent, rope)[getitem.args[1]])
                 graph.erase_node(getitem)
             graph.erase_node(user)
             return
         if user.op == "call_function" and user.target is aten.slice.Tensor and user.args[1] == 1 \
-                and pool.layout == "split":
+                and pool.layout.row_major:
             start, end = user.args[2], user.args[3]
             width = fake_value(cache).shape[1]
             part = {(0, rank_dim): latent, (rank_dim, width): rope}.get((start, min(end, width)))

@@ -1,9 +1,19 @@
 """The kernel back ends, by name: the four built in (torch, triton, flashinfer, npu) and any a
-user registers, and what kernels='auto' resolves to for a KV pool."""
+user registers, and what kernels='auto' resolves to for a KV pool.
+
+A back end outside the package registers itself when its module is imported
+(`registry.register(MyLowering())`). So that the CLI and spawned ranks find it too, name its
+module in the `DCP_COMPILE_BACKENDS` environment variable (comma-separated modules), or declare
+it as an entry point of the group `dcp_compile.backends` in its package: the first look-up of a
+back end imports them."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import importlib.metadata
 import logging
+import os
 
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.passes import manager
@@ -11,6 +21,24 @@ from dcp_compile.passes import manager
 log = logging.getLogger("dcp_compile")
 AUTO = "auto"
 _LOWERINGS: dict[str, Lowering] = {}
+PLUGINS_ENV = "DCP_COMPILE_BACKENDS"
+ENTRY_POINT_GROUP = "dcp_compile.backends"
+_plugins_loaded = False
+
+
+def _load_plugins() -> None:
+    """Import the back-end modules named by DCP_COMPILE_BACKENDS and the entry points (once)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ImportError(f"{PLUGINS_ENV} names the back-end module {module!r}, which does not import: {exc}") from exc
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        entry.load()
 
 
 def register(lowering: Lowering) -> Lowering:
@@ -25,10 +53,12 @@ def register(lowering: Lowering) -> Lowering:
 
 def names() -> tuple[str, ...]:
     """'auto' and every registered back end."""
+    _load_plugins()
     return (AUTO, *_LOWERINGS)
 
 
 def get(name: str) -> Lowering:
+    _load_plugins()
     if name not in _LOWERINGS:
         raise ValueError(f"kernels must be one of {list(names())}, got {name!r}")
     return _LOWERINGS[name]
@@ -36,12 +66,25 @@ def get(name: str) -> Lowering:
 
 def pass_names() -> tuple[str, ...]:
     """Every pass a model may run: the DCP passes and every registered back end's lowering passes."""
+    _load_plugins()
     return manager.all_pass_names(p.name for lowering in _LOWERINGS.values() for p in lowering.passes())
 
 
 def check_pass_names(names) -> None:
     """Raise for a name that no pass has (disabled_passes, the dump's --only)."""
     manager.check_pass_names(names, pass_names())
+
+
+def inner_compilers() -> tuple[str, ...]:
+    """'auto' and every inner compiler a registered back end runs under."""
+    _load_plugins()
+    return (AUTO, *dict.fromkeys(name for lowering in _LOWERINGS.values() for name in lowering.inner_compilers))
+
+
+def option_owners(option: str) -> list[str]:
+    """The back ends whose Options have a field named `option`."""
+    _load_plugins()
+    return [name for name, lowering in _LOWERINGS.items() if option in {f.name for f in dataclasses.fields(lowering.Options)}]
 
 
 def resolve(kernels: str, pool, config) -> Lowering:
@@ -54,10 +97,10 @@ def resolve(kernels: str, pool, config) -> Lowering:
     if device == "npu":
         return get("npu")
     if device == "cuda":
-        reason = get("flashinfer").unsupported_reason(pool, config)
-        if reason is None:
+        reasons = get("flashinfer").unsupported_reasons(pool, config)
+        if not reasons:
             return get("flashinfer")
-        log.info("kernels='auto': the Triton attention kernel, not FlashInfer: %s", reason)
+        log.info("kernels='auto': the Triton attention kernel, not FlashInfer: %s", "; ".join(reasons))
         return get("triton")
     return get("torch")
 

@@ -236,56 +236,6 @@ def _(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, 
     return q_latent.new_empty(q_latent.shape), q_latent.new_empty((tokens, heads), dtype=torch.float32)
 
 
-@custom_op("dcp::prefix_key_counts", mutates_args=())
-def prefix_key_counts(local_lens: torch.Tensor, key_positions: torch.Tensor | None, q_seq_ids: torch.Tensor,
-                      q_positions: torch.Tensor, whole_rows: bool) -> torch.Tensor:
-    return reference.prefix_key_counts(local_lens, key_positions, q_seq_ids, q_positions, whole_rows)
-
-
-@prefix_key_counts.register_fake
-def _(local_lens, key_positions, q_seq_ids, q_positions, whole_rows):
-    return local_lens.new_empty(q_seq_ids.shape)
-
-
-@custom_op("dcp::rank_causal_mask", mutates_args=())
-def rank_causal_mask(key_positions: torch.Tensor, local_lens: torch.Tensor, q_positions: torch.Tensor,
-                     width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.rank_causal_mask(key_positions, local_lens, q_positions, width)
-
-
-@rank_causal_mask.register_fake
-def _(key_positions, local_lens, q_positions, width):
-    rows, tokens = local_lens.shape[0], q_positions.shape[0]
-    if rows == 0 or tokens % rows:
-        raise ValueError(f"rank_causal_mask serves rows of equal query counts: {tokens} tokens over {rows} rows")
-    return (q_positions.new_empty((rows, 1, tokens // rows, width), dtype=torch.bool),
-            q_positions.new_empty((tokens,), dtype=torch.int64))
-
-
-@custom_op("dcp::nz_kv_blocks", mutates_args=())
-def nz_kv_blocks(kv_cache: torch.Tensor, kv_lora_rank: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return (nz.from_rows(kv_cache[:, :kv_lora_rank], block), nz.from_rows(kv_cache[:, kv_lora_rank:], block))
-
-
-@nz_kv_blocks.register_fake
-def _(kv_cache, kv_lora_rank, block):
-    rows, row_dim = kv_cache.shape
-    return (kv_cache.new_empty(nz.shape(rows, kv_lora_rank, block)),
-            kv_cache.new_empty(nz.shape(rows, row_dim - kv_lora_rank, block)))
-
-
-@custom_op("dcp::split_partials", mutates_args=())
-def split_partials(packed: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.split_partials(packed, kv_lora_rank)
-
-
-@split_partials.register_fake
-def _(packed, kv_lora_rank):
-    shards, tokens, heads, _ = packed.shape
-    return (packed.new_empty((shards, tokens * heads, kv_lora_rank)),
-            packed.new_empty((shards, tokens * heads), dtype=torch.float32))
-
-
 @custom_op("dcp::check_host_metadata", mutates_args=())
 def check_host_metadata(
     block_table: torch.Tensor,

@@ -271,23 +271,6 @@ def first_query_positions(q_seq_ids, q_positions, rows: int):
     return first.scatter_reduce(0, q_seq_ids, q_positions, "amin")
 
 
-def prefix_key_counts(local_lens, key_positions, q_seq_ids, q_positions, whole_rows: bool):
-    """Per query token, the keys a paged prefix kernel attends over for it (docs/paged-lowerings.md):
-    every local key of its row (`whole_rows`, decode), else the local keys before its row's first
-    query. From the batch's device tensors, so a lowering can mask the rows a kernel saw empty
-    whatever the kernel returned for them. key_positions None: a key's position is its column."""
-    if whole_rows:
-        return local_lens.index_select(0, q_seq_ids)
-    rows = local_lens.shape[0]
-    if key_positions is None:
-        raise ValueError("prefix_key_counts needs key positions unless whole_rows")
-    width = key_positions.shape[1]
-    valid = torch.arange(width, device=local_lens.device)[None, :] < local_lens[:, None]
-    first = first_query_positions(q_seq_ids, q_positions, rows)
-    before = valid & (key_positions < first[:, None].to(key_positions.dtype))
-    return before.sum(dim=1).to(local_lens.dtype).index_select(0, q_seq_ids)
-
-
 def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions,
                      q_seq_ids, q_positions, sm_scale: float, window: int, rope_cache=None):
     """Complete attention over a row's keys before its first query (out_prefix, lse_prefix, from
@@ -317,39 +300,6 @@ def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_ta
     out = torch.einsum("thw,twr->thr", probs, keys[..., :rank_dim])
     merged, merged_lse = merge_lse(torch.stack([out_prefix.float(), out]), torch.stack([lse_prefix.float(), lse]))
     return merged.to(q_latent.dtype), merged_lse
-
-
-def rank_causal_mask(key_positions, local_lens, q_positions, width: int):
-    """(mask [B, 1, S, width] bool, True = masked; visible [T]): query t of row b = t // S sees the
-    row's first visible[t] local keys (those at or before its position; the local keys are in
-    position order), and no column past them, so a row is at least one column wide whatever its
-    lengths. Tokens are grouped by row, S = T / B each."""
-    rows, tokens = local_lens.shape[0], q_positions.shape[0]
-    if rows == 0 or tokens % rows:
-        raise ValueError(f"rank_causal_mask serves rows of equal query counts: {tokens} tokens over {rows} rows")
-    per_row = tokens // rows
-    columns = key_positions.shape[1]
-    stored = torch.arange(columns, device=key_positions.device)[None, :] < local_lens[:, None].long()
-    positions = torch.where(stored, key_positions.long(), torch.iinfo(torch.int64).max)
-    visible = torch.searchsorted(positions, q_positions.long().reshape(rows, per_row), right=True)
-    key_index = torch.arange(width, device=key_positions.device)
-    mask = key_index[None, None, :] >= visible[:, :, None]
-    return mask.unsqueeze(1), visible.reshape(tokens)
-
-
-def split_partials(packed, kv_lora_rank: int):
-    """The exchanged [N, T, H, R + w] buffer as the inputs of Ascend's npu_attention_update:
-    outs [N, T*H, R] and fp32 lses [N, T*H].
-
-    npu_attention_update is undefined (NaN) where every shard is empty (docs/ascend.md §7.4): there
-    shard 0's LSE is set to 0, so that row's result is shard 0's output, which pack_partials
-    zeroed for an empty shard.
-    """
-    shards, tokens, heads, _ = packed.shape
-    outs, lses = unpack_partials(packed, kv_lora_rank)
-    all_empty = torch.isinf(lses).all(dim=0)  # +inf is FIA's empty shard, -inf ours
-    lses = torch.cat([torch.where(all_empty, 0.0, lses[0])[None], lses[1:]])
-    return outs.reshape(shards, tokens * heads, kv_lora_rank).contiguous(), lses.reshape(shards, tokens * heads)
 
 
 def check_host_metadata(block_table, req_to_token, seq_lens, q_seq_ids, q_positions, dcp_rank: int, dcp_size: int,

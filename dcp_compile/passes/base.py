@@ -22,8 +22,6 @@ class PassConfig:
     merge) or 'gather-kv' (all-gather this batch's KV rows, attend with local heads)."""
     fuse_projections: bool = False
     """Fuse the projections that read one input into one matmul (passes/fuse_projections.py)."""
-    skinny_matmuls: bool = False
-    """Run few-token projections through the skinny-matmul kernel (a back end's lower_projections pass)."""
     page_size: int = 1
     """Locations per logical KV page (the pool's); paged kernels (FIA, FlashInfer) read local blocks of it."""
 

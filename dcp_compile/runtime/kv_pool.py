@@ -7,16 +7,42 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from dcp_compile.ops import nz
 from dcp_compile.runtime import layout
 
 SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-KV_LAYOUTS = ("packed", "split", "nz")
-"""packed: one [rows, R + P] tensor per layer. split: latent [rows, R] and rope [rows, P], two
-contiguous tensors per layer, as a kernel that takes them as two inputs needs them (Ascend's fused
-attention, docs/ascend.md §11.1). nz: the split layout's two parts in the NZ layout over the
-local blocks of the pages, [blocks, 1, D/16, block, 16] each (ops/nz.py; Ascend's FIA with an
-NZ cache, docs/ascend.md §11.4). A kernel back end chooses (Lowering.kv_layout)."""
+
+
+class KVLayout:
+    """How a kernel back end wants each layer's rows held (Lowering.kv_layout), as data a generic
+    pool allocates: this class is the packed layout, one [rows, R + P] tensor per layer, the one
+    the model hands the canonical ops. A back end whose kernels take the latent and rope rows as
+    separate tensors declares a subclass whose `part_shapes` gives their shapes; the pool then
+    allocates those, and the back end's passes point the graph at them (lowering/kv_layout.py)."""
+
+    name = "packed"
+    packed = True
+    """Whether the rows live in the one [rows, R + P] tensor per layer (part_shapes gives None)."""
+
+    def part_shapes(self, rows: int, kv_lora_rank: int, rope_dim: int, pool) -> tuple[tuple[int, ...], ...] | None:
+        """The shapes of a layer's (latent, rope) tensors for `rows` rows of `pool` (its page size
+        and shard), or None where the packed tensor holds them."""
+        return None
+
+    def part_rows(self, part: torch.Tensor) -> torch.Tensor:
+        """A part's contents as [rows, D], to inspect (a copy where the part is not row-major)."""
+        return part
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(vars(self).items()))))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+PACKED = KVLayout()
 
 
 @dataclass(frozen=True)
@@ -45,10 +71,11 @@ class MLAKVPool(nn.Module):
     Unsharded, rows == capacity. `reshard` keeps the rows per rank (the memory) and grows the
     logical capacity N-fold, or keeps the capacity and shrinks the rows.
 
-    In the split layout (`use_layout('split')`) a layer's rows live in two tensors, `parts(i)`;
-    `cache(i)`, the tensor the model hands the canonical ops, then holds no memory of its own (a
-    [rows, R + P] expansion of one element) and the back end's passes read and write the parts:
-    a write into it fails, so nothing reaches the pool through it unseen.
+    In a layout with separate parts (`use_layout(layout)`, a back end's KVLayout) a layer's rows
+    live in two tensors, `parts(i)`; `cache(i)`, the tensor the model hands the canonical ops,
+    then holds no memory of its own (a [rows, R + P] expansion of one element) and the back end's
+    passes read and write the parts: a write into it fails, so nothing reaches the pool through
+    it unseen.
     """
 
     def __init__(self, num_layers: int, capacity: int, kv_lora_rank: int, rope_dim: int,
@@ -78,38 +105,34 @@ class MLAKVPool(nn.Module):
         self.dcp_size, self.dcp_rank, self.interleave = 1, 0, 1
         self.unsharded_rows = capacity
         self.capacity = capacity
-        self.layout = "packed"
+        self.layout: KVLayout = PACKED
         self._allocate(capacity)
 
     def _allocate(self, rows: int) -> None:
         self.rows_per_rank = rows
+        shapes = self.layout.part_shapes(rows, self.kv_lora_rank, self.rope_dim, self)
         for i in range(self.num_layers):
             for name in (f"layer_{i}_latent", f"layer_{i}_rope"):
                 if hasattr(self, name):
                     delattr(self, name)
-            if self.layout == "packed":
+            if shapes is None:
                 cache = torch.zeros(rows, self.row_dim, dtype=self.dtype, device=self.device)
             else:
-                for name, width in ((f"layer_{i}_latent", self.kv_lora_rank), (f"layer_{i}_rope", self.rope_dim)):
-                    part = (rows, width) if self.layout == "split" else nz.shape(rows, width, self.nz_block())
-                    self.register_buffer(name, torch.zeros(part, dtype=self.dtype, device=self.device), persistent=False)
+                for name, shape in zip((f"layer_{i}_latent", f"layer_{i}_rope"), shapes):
+                    self.register_buffer(name, torch.zeros(shape, dtype=self.dtype, device=self.device), persistent=False)
                 cache = torch.zeros(1, 1, dtype=self.dtype, device=self.device).expand(rows, self.row_dim)
             self.register_buffer(f"layer_{i}", cache, persistent=False)
 
-    def use_layout(self, layout: str) -> None:
-        """Hold each layer as `layout` (KV_LAYOUTS): reallocates, so only before any KV is written."""
-        if layout not in KV_LAYOUTS:
-            raise ValueError(f"unknown KV layout {layout!r}; choose one of {KV_LAYOUTS}")
+    def use_layout(self, layout: KVLayout) -> None:
+        """Hold each layer as `layout` (a back end's KVLayout): reallocates, so only before any KV is written."""
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"a KV layout is a dcp_compile.runtime.kv_pool.KVLayout, got {layout!r}")
         if layout == self.layout:
             return
         if self.holds_kv():
             raise RuntimeError("the KV pool already holds KV: its layout can change only before the first write")
         self.layout = layout
         self._allocate(self.rows_per_rank)
-
-    def nz_block(self) -> int:
-        """The NZ layout's block: the rows of this rank's share of a page (its local block)."""
-        return layout.require_local_block_size(self.page_size, self.dcp_size, self.interleave, "the NZ KV layout")
 
     def cache(self, layer: int) -> torch.Tensor:
         """The [rows, R + P] tensor the model passes to the canonical ops (in the split layout, one
@@ -118,24 +141,21 @@ class MLAKVPool(nn.Module):
 
     def parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's latent rows [rows, R] and rope rows [rows, P]: views of the packed cache, or
-        the split layout's two tensors (in the nz layout, [blocks, 1, D/16, block, 16] each)."""
-        if self.layout == "packed":
+        the layout's two tensors (of the shapes it gives)."""
+        if self.layout.packed:
             cache = self.cache(layer)
             return cache[:, :self.kv_lora_rank], cache[:, self.kv_lora_rank:]
         return getattr(self, f"layer_{layer}_latent"), getattr(self, f"layer_{layer}_rope")
 
     def rows(self, layer: int) -> torch.Tensor:
-        """A layer's [rows, R + P] contents, in any layout (a copy in the split and nz ones), to inspect."""
-        if self.layout == "packed":
+        """A layer's [rows, R + P] contents, in any layout (a copy where the parts are separate), to inspect."""
+        if self.layout.packed:
             return self.cache(layer)
-        latent, rope = self.parts(layer)
-        if self.layout == "nz":
-            latent, rope = nz.to_rows(latent), nz.to_rows(rope)
-        return torch.cat([latent, rope], dim=-1)
+        return torch.cat([self.layout.part_rows(part) for part in self.parts(layer)], dim=-1)
 
     def storage(self) -> list[torch.Tensor]:
         """Every tensor that holds the pool's KV (what a captured graph reads and writes)."""
-        if self.layout == "packed":
+        if self.layout.packed:
             return [self.cache(i) for i in range(self.num_layers)]
         return [part for i in range(self.num_layers) for part in self.parts(i)]
 

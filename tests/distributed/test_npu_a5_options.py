@@ -35,7 +35,8 @@ FULL = os.environ.get("DCP_COMPILE_FULL_MATRIX") == "1"
 
 
 def options(kv_format: str, version: int, verify: str) -> dict:
-    return dict(npu_kv_format=kv_format, fia_version=version, npu_verify=verify)
+    """The NPU back end's options of a case (Scenario.options: values by name, sorted)."""
+    return dict(options=tuple(sorted(dict(npu_kv_format=kv_format, fia_version=version, npu_verify=verify).items())))
 
 
 # 3 layers: 2 MLA layers (the mask and the NZ views are shared or per layer), and 1 linear one
@@ -57,8 +58,9 @@ if FULL:  # decode reads no verify scheme: one per (format, version)
 
 
 def case_id(case: dict) -> str:
-    return (f"{case.get('mode', 'decode')}-k{case.get('draft_len', 1)}-dcp{case['dcp_size']}-{case['npu_kv_format']}"
-            f"-v{case['fia_version']}-{case['npu_verify']}" + ("-graphs" if case.get("graphs") else ""))
+    option = dict(case["options"])
+    return (f"{case.get('mode', 'decode')}-k{case.get('draft_len', 1)}-dcp{case['dcp_size']}-{option['npu_kv_format']}"
+            f"-v{option['fia_version']}-{option['npu_verify']}" + ("-graphs" if case.get("graphs") else ""))
 
 
 NPU_SCENARIOS = [dict(**case, **NPU) for case in CASES]
@@ -74,6 +76,6 @@ def test_option_combination_matches_dcp_size_one(case, npu_scenario_results):
     assert result["tokens_match"]
     assert sum(result["tokens_stored_per_dcp_rank"]) == result["tokens_total"]
     assert result["pass_summary"]["lower_npu_attention"] > 0
-    assert result["kv_layout"] == ("nz" if case["npu_kv_format"] == "nz" else "split")
+    assert result["kv_layout"] == ("nz" if dict(case["options"])["npu_kv_format"] == "nz" else "split")
     if scenario.graphs:
         assert result["graph_replays"] == scenario.steps and result["device_graphs_captured"] == 1

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 import dcp_compile
-from dcp_compile.config import DCPConfig
 from dcp_compile.lowering import triton as triton_kernels
+from dcp_compile.lowering.base import Unsupported
 from dcp_compile.lowering.npu import lower_attention
+from dcp_compile.lowering.npu.options import NPUOptions
 from dcp_compile.testing import npu_standin as standin
 from dcp_compile.ops import reference
 from dcp_compile.models.config import preset
@@ -73,7 +74,7 @@ def test_each_combination_equals_the_default(combo, default_run):
     standin.contiguous_copies.clear()
     got, pool, dcp = _run(**combo)
     assert standin.contiguous_copies == []  # FIA got contiguous NZ parts: no whole-shard copy (ASCEND defect 3)
-    assert pool.layout == ("nz" if combo["npu_kv_format"] == "nz" else "split")
+    assert pool.layout.name == ("nz" if combo["npu_kv_format"] == "nz" else "split")
     for step, (a, b) in enumerate(zip(got, want)):
         assert torch.isfinite(a).all()
         # Same FIA arithmetic on the same keys: equal up to the order of bf16 sums (the masked
@@ -173,7 +174,7 @@ def test_fia_v2_without_it_in_torch_npu_is_refused(monkeypatch):
 
     monkeypatch.setattr(lowering, "has_fia_v2", lambda: False)
     model = MLAModel(TINY_512, 2048, max_requests=2, dtype=torch.bfloat16, page_size=BLOCK, device="npu")
-    with pytest.raises(RuntimeError, match="fia_version=2 needs torch_npu's npu_fused_infer_attention_score_v2"):
+    with pytest.raises(Unsupported, match="fia_version=2 needs torch_npu's npu_fused_infer_attention_score_v2"):
         dcp_compile.apply(model, 1, kernels="npu", fia_version=2)
 
 
@@ -185,13 +186,16 @@ def test_npu_options_on_another_back_end_are_refused():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(npu_kv_format="NZ"), "npu_kv_format must be one of"),
-    (dict(fia_version=3), "fia_version must be 1 or 2"),
-    (dict(fia_version=True), "fia_version must be 1 or 2"),
+    (dict(fia_version=3), "fia_version must be one of"),
+    (dict(fia_version=True), "fia_version must be one of"),
     (dict(npu_verify="masked"), "npu_verify must be one of"),
 ])
 def test_bad_option_values(fields, message):
     with pytest.raises(ValueError, match=message):
-        DCPConfig(**fields)
+        NPUOptions(**fields)
+    model = MLAModel(TINY_512, 4096, max_requests=4, dtype=torch.bfloat16, page_size=BLOCK, device="npu")
+    with pytest.raises(ValueError, match=message):
+        dcp_compile.apply(model, 1, kernels="npu", **fields)
 
 
 def test_masked_verify_refuses_rows_of_unequal_query_counts():

@@ -1,5 +1,5 @@
 """FIA's output on an empty shard is not trusted (issue 18, defect 6): the NPU lowering masks the
-tokens whose FIA call saw no key by the batch's device lengths (dcp.prefix_key_counts), so a
+tokens whose FIA call saw no key by the batch's device lengths (dcp_npu.prefix_key_counts), so a
 kernel that returns garbage there changes nothing. Runs on the emulated npu device, with the
 stand-in FIA made to return NaN and a finite LSE on empty requests (standin.PLANTS)."""
 
@@ -13,6 +13,7 @@ import torch
 import dcp_compile
 from dcp_compile.harness.scenario import Scenario, compare
 from dcp_compile.testing import npu_standin as standin
+from dcp_compile.lowering.npu import ops as npu_ops
 from dcp_compile.ops import reference
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import devices
@@ -36,7 +37,7 @@ def test_prefix_key_counts_are_the_lengths_fia_is_given(dcp_size, interleave):
         decode = len(tokens[0]) == 1 and all(len(t) == 1 for t in tokens)
         for rank in range(dcp_size):
             _, lens, positions = reference.local_metadata(batch.req_to_token, batch.seq_lens, rank, dcp_size, interleave)
-            counts = reference.prefix_key_counts(lens, None if decode else positions, batch.q_seq_ids, batch.positions,
+            counts = npu_ops.prefix_key_counts(lens, None if decode else positions, batch.q_seq_ids, batch.positions,
                                                  decode)
             host = batch.host.for_rank(rank)
             per_row = host.local_seq_lens if decode else host.local_prefix_lens

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dcp_compile
+from dcp_compile.runtime.kv_pool import PACKED
 from dcp_compile.testing import npu_standin as standin
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import devices
@@ -37,14 +38,14 @@ def test_fia_reads_the_split_pool_without_a_copy_and_it_holds_the_same_kv():
     standin.contiguous_copies.clear()
     pool = _run("npu", "npu")
     assert standin.contiguous_copies == []  # FIA was handed contiguous key, value and key_rope
-    assert pool.layout == "split"
+    assert pool.layout.name == "split"
     for layer in range(pool.num_layers):
         latent, rope = pool.parts(layer)
         assert latent.is_contiguous() and rope.is_contiguous() and latent.device.type == "npu"
         assert latent.shape == (pool.rows_per_rank, 512) and rope.shape == (pool.rows_per_rank, 64)
         assert pool.cache(layer).stride() == (0, 0)  # the canonical ops' cache holds no memory
     packed = _run("cpu", "torch")  # the same model and batches, packed rows, torch reference kernels
-    assert packed.layout == "packed"
+    assert packed.layout.packed
     for layer in range(pool.num_layers):
         rows, want = pool.rows(layer).cpu(), packed.rows(layer)
         assert torch.equal(rows.any(dim=1), want.any(dim=1))  # the same rows written
@@ -61,4 +62,4 @@ def test_a_write_through_the_split_layouts_cache_fails():
         model.kv_pool.cache(0)[3] = 1.0
     with pytest.raises(RuntimeError, match="layout can change only before the first write"):
         model.kv_pool.parts(0)[0][3] = 1.0
-        model.kv_pool.use_layout("packed")
+        model.kv_pool.use_layout(PACKED)

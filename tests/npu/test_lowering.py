@@ -15,7 +15,9 @@ import torch
 import dcp_compile
 from dcp_compile.cli.main import main as cli_main
 from dcp_compile.debug import fake_capture
+from dcp_compile.lowering.base import Unsupported
 from dcp_compile.lowering.npu import ensure_ops
+from dcp_compile.lowering.npu import ops as npu_ops
 from dcp_compile.ops import reference
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
@@ -109,7 +111,7 @@ def test_fia_limits_are_checked_before_compiling():
     on_npu = dict(page_size=16, device=NPU)
     with pytest.raises(ValueError, match="at most 128 query heads"):
         dcp_compile.apply(MLAModel(cfg.replace(num_heads=256), 64, dtype=torch.bfloat16, **on_npu), 1, kernels="npu")
-    with pytest.raises(TypeError, match="bf16 or fp16"):
+    with pytest.raises(Unsupported, match="bf16 or fp16"):
         dcp_compile.apply(MLAModel(cfg, 64, **on_npu), 1, kernels="npu")
     with pytest.raises(ValueError, match="kv_lora_rank 512"):
         dcp_compile.apply(MLAModel(preset("tiny"), 64, dtype=torch.bfloat16, **on_npu), 1, kernels="npu")
@@ -118,7 +120,7 @@ def test_fia_limits_are_checked_before_compiling():
 def test_a_kv_pool_on_the_cpu_is_refused():
     """FIA and npu_attention_update have npu kernels only (as torch_npu's): a CPU pool is refused
     when the model is made, not at its first step."""
-    with pytest.raises(RuntimeError, match="kernels='npu': its kernels run on an npu device .* the KV pool is on cpu"):
+    with pytest.raises(Unsupported, match="kernels='npu': its kernels run on an npu device .* the KV pool is on cpu"):
         dcp_compile.apply(MLAModel(preset("tiny-512"), 64, dtype=torch.bfloat16, page_size=16), 1, kernels="npu")
 
 
@@ -268,7 +270,7 @@ def _attention_update(outs, lses):
 
 def test_padded_row_empty_on_every_shard_merges_to_zero_not_nan():
     packed, expected = _packed(empty=[(0, 0), (0, 1), (1, 1)])  # token 0 sees no key anywhere
-    outs, lses = reference.split_partials(packed, 512)
+    outs, lses = npu_ops.split_partials(packed, 512)
     merged = _attention_update(outs, lses).view(3, 4, 512)
     assert torch.isfinite(merged).all() and (merged[0] == 0).all()
     assert torch.allclose(merged.float(), expected.float(), atol=1e-2)
@@ -279,7 +281,7 @@ def test_padded_row_empty_on_every_shard_merges_to_zero_not_nan():
 
 def test_a_base_2_lse_breaks_the_merge():
     packed, expected = _packed()
-    outs, lses = reference.split_partials(packed, 512)
+    outs, lses = npu_ops.split_partials(packed, 512)
     assert torch.allclose(_attention_update(outs, lses).view(3, 4, 512).float(), expected.float(), atol=1e-2)
     base_2 = _attention_update(outs, lses / math.log(2)).view(3, 4, 512)
     assert (base_2.float() - expected.float()).abs().max() > 0.05

@@ -21,7 +21,9 @@ import dcp_compile  # noqa: E402
 from dcp_compile.lowering.triton import skinny_matmul  # noqa: E402
 from dcp_compile.lowering.triton.launching import is_interpreted  # noqa: E402
 from dcp_compile.lowering.triton.lower_projections import LowerProjections, find_projection_sites  # noqa: E402
+from dcp_compile.lowering.flashinfer.lowering import FlashInferLowering  # noqa: E402
 from dcp_compile.lowering.torch.lowering import TorchLowering  # noqa: E402
+from dcp_compile.lowering.triton.lowering import TritonLowering, TritonOptions  # noqa: E402
 from dcp_compile.models.config import preset  # noqa: E402
 from dcp_compile.models.mla import MLAModel  # noqa: E402
 from dcp_compile.passes.graph_utils import normalize_meta  # noqa: E402
@@ -91,18 +93,18 @@ def _steps(model):
 def test_the_reference_model_runs_its_projections_through_the_kernel_with_cublas_numbers(monkeypatch):
     # The torch reference attention (the interpreter would run the Triton attention for minutes).
     monkeypatch.setattr(TorchLowering, "passes", lambda self: [LowerProjections(devices=("cpu",))])
+    baseline = _steps(dcp_compile.apply(_model(), 1, kernels="torch", disabled_passes=("lower_projections",),
+                                        fuse_projections="on"))
     launches = []
     real = skinny_matmul.skinny_matmul_into
     monkeypatch.setattr(skinny_matmul, "skinny_matmul_into", lambda *a, **k: launches.append(a[1].shape[1]) or real(*a, **k))
-    compiled = dcp_compile.apply(_model(), 1, kernels="torch", skinny_matmuls="on", fuse_projections="on")
+    compiled = dcp_compile.apply(_model(), 1, kernels="torch", fuse_projections="on")
     got = _steps(compiled)
-    baseline = _steps(dcp_compile.apply(_model(), 1, kernels="torch", skinny_matmuls="off", fuse_projections="on"))
     for step, (a, b) in enumerate(zip(got, baseline)):
         scale = b.abs().max().item()
         assert (a - b).abs().max().item() <= 0.05 * scale, step  # bf16 matmuls rounded in another order
         assert torch.equal(a.argmax(-1), b.argmax(-1)), step
     state = dcp_compile.state(compiled)
-    assert state.config.skinny_matmuls == "on"
     report = next(b.reports[-1] for b in state.backends.values() if b.reports)
     (record,) = [r for r in report.records if r.name == "lower_projections"]
     # per MLA layer: q_a+kv_a (fused), q_b, o_proj, gate+up (fused), down, and the W_UK / W_UV
@@ -119,15 +121,21 @@ def test_the_lowered_products_compile_under_inductor(monkeypatch):
     """The swapped ops under inductor: a prefill's rows (torch's product) and decode rows (the
     kernel) give cuBLAS's numbers. (The layouts the fakes promise are asserted op by op in
     tests/ops/test_skinny_matmul.py: CUDA's inductor checks them at run time.)"""
+    want = _steps(dcp_compile.apply(_model(), 1, kernels="torch", fuse_projections="off"))[-2:]
     monkeypatch.setattr(TorchLowering, "passes", lambda self: [LowerProjections(devices=("cpu",))])
-    compiled = dcp_compile.apply(_model(), 1, kernels="torch", skinny_matmuls="on", inner_compile="inductor",
-                                 fuse_projections="off")
-    got, want = _steps(compiled)[-2:], _steps(dcp_compile.apply(_model(), 1, kernels="torch", fuse_projections="off"))[-2:]
+    compiled = dcp_compile.apply(_model(), 1, kernels="torch", inner_compile="inductor", fuse_projections="off")
+    got = _steps(compiled)[-2:]
     for a, b in zip(got, want):
         assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
 
 
 def test_auto_is_off_on_the_cpu_and_bad_values_are_refused():
-    assert dcp_compile.state(dcp_compile.apply(_model(torch.float32), 1)).config.skinny_matmuls == "off"
+    pool = _model(torch.float32).kv_pool
+    assert TritonLowering().resolve_options(pool) == TritonOptions(skinny_matmuls="off")
+    assert TritonLowering().configured(TritonOptions("on")).resolve_options(pool).skinny_matmuls == "on"
+    assert [p.enabled for p in FlashInferLowering().configured(TritonOptions("on")).passes()
+            if isinstance(p, LowerProjections)] == [True]
     with pytest.raises(ValueError, match="skinny_matmuls must be one of"):
-        dcp_compile.apply(_model(torch.float32), 1, skinny_matmuls=True)
+        TritonOptions(skinny_matmuls=True)
+    with pytest.raises(ValueError, match="skinny_matmuls='on' is an option of kernels='triton'; kernels='torch' does not"):
+        dcp_compile.apply(_model(torch.float32), 1, kernels="torch", skinny_matmuls="on")

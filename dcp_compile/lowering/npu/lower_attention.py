@@ -10,17 +10,17 @@
             o, lse = npu.npu_fused_infer_attention_score(q [T,Hp,R], ..., input_layout="TND",
                          actual_seq_lengths=cumulative query lens, actual_seq_lengths_kv=local_prefix_lens)
             o, lse = dcp.window_attention(o, lse, q, q_rope, cache, *local_meta, ids, pos, s, 16)
-    and     dcp.merge_partials(buf, R) -> npu.npu_attention_update(lses, outs, 0) over dcp.split_partials(buf, R)
+    and     dcp.merge_partials(buf, R) -> npu.npu_attention_update(lses, outs, 0) over dcp_npu.split_partials(buf, R)
 
-Options (NPUOptions, from apply's npu_kv_format, fia_version and npu_verify; docs/ascend.md §15):
-- kv_format 'nz': key and key_rope are the NZ parts [blocks, 1, D/16, 128, 16] (dcp.nz_kv_blocks,
+Options (lowering/npu/options.NPUOptions: npu_kv_format, fia_version, npu_verify; docs/ascend.md §15):
+- kv_format 'nz': key and key_rope are the NZ parts [blocks, 1, D/16, 128, 16] (dcp_npu.nz_kv_blocks,
   which the split layout's pass points at the pool's NZ tensors) instead of [blocks, block, D];
 - fia_version 2: npu_fused_infer_attention_score_v2 under v2's argument names, layouts BSND_NBSD
   (decode, masked verify; out [Hp, B, S, R]) and TND_NTD (split verify; out [Hp, T, R]), the
   output permuted back to [T, Hp, R] as a view;
 - verify 'mask': verify rows of S = T / B queries take one FIA call over every local key, in
   BSND (v1) or BSND_NBSD (v2), with actual_seq_lengths the rows' query counts and a rank-local
-  causal mask [B, 1, S, blocks x block] from dcp.rank_causal_mask, as vllm-ascend and SGLang
+  causal mask [B, 1, S, blocks x block] from dcp_npu.rank_causal_mask, as vllm-ascend and SGLang
   verify under DCP; no window kernel. A graph whose tokens do not split evenly over its rows keeps
   the split.
 
@@ -42,13 +42,14 @@ Why a pass: the kernel and its layout depend on the deployment (Ascend), not on 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from dcp_compile.lowering import paged
 from dcp_compile.lowering.npu import ensure_ops
+from dcp_compile.lowering.npu import ops as npu_ops
+from dcp_compile.lowering.npu.options import FIA_VERSIONS, NPUOptions
 from dcp_compile.ops import targets
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import PassConfig
@@ -63,20 +64,6 @@ FIA_BLOCK_SIZES = {  # docs/ascend.md §4.5: CANN's tiling checks for ND MLA pag
 }
 DEFAULT_BLOCK_SIZE = 128  # both engines' (docs/ascend.md §4.5)
 MAX_UPDATE_SHARDS = 16  # npu_attention_update: at most 16 inputs (docs/ascend.md §8.3)
-
-
-KV_FORMATS = ("nd", "nz")
-FIA_VERSIONS = (1, 2)
-VERIFY_SCHEMES = ("split", "mask")
-
-
-@dataclass(frozen=True)
-class NPUOptions:
-    """How the NPU lowering calls FIA (DCPConfig.npu_kv_format, fia_version, npu_verify)."""
-
-    kv_format: str = "nd"
-    fia_version: int = 1
-    verify: str = "split"
 
 
 # FIA v1 argument -> its v2 name (docs/ascend.md §1.3).
@@ -149,7 +136,7 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         self._masks: dict[int, tuple[fx.Node, fx.Node]] = {}
 
     def split(self, config: PassConfig, site: sites.PoolAttention) -> bool:
-        return self.options.verify != "mask" or self._unmaskable(site)
+        return self.options.npu_verify != "mask" or self._unmaskable(site)
 
     def block_size(self, config: PassConfig) -> int:
         # apply() checked the deployment's rule (DCPConfig.fia_block_sizes); here only FIA's outer bound.
@@ -157,10 +144,10 @@ class LowerNPUAttention(paged.PagedAttentionPass):
 
     def kernel(self, graph, site, q_latent, q_rope, decode, host, block_table, block_size):
         if site.cache not in self._views:
-            self._views[site.cache] = (self._nz_views(graph, site, block_size) if self.options.kv_format == "nz"
+            self._views[site.cache] = (self._nz_views(graph, site, block_size) if self.options.npu_kv_format == "nz"
                                        else self._paged_views(graph, site, block_size))
         mask = None
-        if not decode and self.options.verify == "mask" and not self._unmaskable(site):
+        if not decode and self.options.npu_verify == "mask" and not self._unmaskable(site):
             mask = self._mask(graph, site, host, block_size)
         return self._fia(graph, site, q_latent, q_rope, host, block_table, self._views[site.cache], block_size, decode,
                          self.options.fia_version, mask)
@@ -176,7 +163,7 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         width = host.blocks * block_size  # FIA checks the mask's width against the paged capacity
         if width not in self._masks:
             positions = paged.site_key_positions(graph, site)
-            made = call(graph, targets.RANK_CAUSAL_MASK, positions, site.local_lens, site.q_positions, width)
+            made = call(graph, npu_ops.RANK_CAUSAL_MASK, positions, site.local_lens, site.q_positions, width)
             self._masks[width] = (call(graph, operator.getitem, made, 0), call(graph, operator.getitem, made, 1))
         return self._masks[width]
 
@@ -201,7 +188,7 @@ class LowerNPUAttention(paged.PagedAttentionPass):
     @staticmethod
     def _nz_views(graph, site: sites.PoolAttention, block_size: int) -> tuple[fx.Node, fx.Node]:
         rank_dim = fake_value(site.q_latent).shape[-1]
-        blocks = call(graph, targets.NZ_KV_BLOCKS, site.cache, rank_dim, block_size)
+        blocks = call(graph, npu_ops.NZ_KV_BLOCKS, site.cache, rank_dim, block_size)
         return call(graph, operator.getitem, blocks, 0), call(graph, operator.getitem, blocks, 1)
 
     @staticmethod
@@ -274,7 +261,7 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         lengths, as SGLang masks them: whatever FIA returns on an empty shard (+inf where CANN
         >= 8.5 was read to give it, docs/ascend.md §7.2), it then weighs nothing in the merge."""
         positions = None if decode else paged.site_key_positions(graph, site)
-        counts = call(graph, targets.PREFIX_KEY_COUNTS, site.local_lens, positions, site.q_seq_ids, site.q_positions,
+        counts = call(graph, npu_ops.PREFIX_KEY_COUNTS, site.local_lens, positions, site.q_seq_ids, site.q_positions,
                       decode)
         return LowerNPUAttention._zero_unseen(graph, counts, out, lse)
 
@@ -289,7 +276,7 @@ class LowerNPUAttention(paged.PagedAttentionPass):
             raise ValueError(f"npu_attention_update needs a head dim that is a multiple of 8 in [8, 512] "
                              f"(docs/ascend.md §8.3), got {rank_dim}")
         with graph.inserting_before(node):
-            split = call(graph, targets.SPLIT_PARTIALS, exchanged, rank_dim)
+            split = call(graph, npu_ops.SPLIT_PARTIALS, exchanged, rank_dim)
             outs, lses = (call(graph, operator.getitem, split, i) for i in range(2))
             out_list = [call(graph, aten.select.int, outs, 0, i) for i in range(shards)]
             lse_list = [call(graph, aten.select.int, lses, 0, i) for i in range(shards)]

@@ -90,11 +90,12 @@ def tuned_for(device: torch.device) -> bool:
 class LowerProjections(GraphPass):
     name = "lower_projections"
 
-    def __init__(self, devices: tuple[str, ...] = ("cuda",)):
-        self.devices = devices
+    def __init__(self, devices: tuple[str, ...] = ("cuda",), enabled: bool = True):
+        """enabled: the back end's skinny_matmuls option is 'on'."""
+        self.devices, self.enabled = devices, enabled
 
     def applies(self, config: PassConfig) -> bool:
-        return config.skinny_matmuls
+        return self.enabled
 
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         from dcp_compile.lowering.triton import matmul_ops  # noqa: F401 - defines the ops

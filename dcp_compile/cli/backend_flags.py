@@ -1,0 +1,53 @@
+"""The kernel back ends' options as flags of demo and dump: one flag per field of each registered
+back end's Options (lowering.base.Options), its choices and help from the field's metadata. A
+flag left out keeps the back end's default; a flag given for a back end that does not read it is
+the back end's error at bind."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dcp_compile.lowering import registry
+
+
+def _flag(field: dataclasses.Field) -> str:
+    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def _fields() -> dict[str, tuple[dataclasses.Field, list[str]]]:
+    """option name -> (its field, the back ends that read it)."""
+    found: dict[str, tuple[dataclasses.Field, list[str]]] = {}
+    for name in registry.names()[1:]:
+        for field in dataclasses.fields(registry.get(name).Options):
+            found.setdefault(field.name, (field, []))[1].append(name)
+    return found
+
+
+def add(p) -> None:
+    for name, (field, owners) in _fields().items():
+        choices = field.metadata.get("flag_choices", field.metadata.get("choices"))
+        typed = field.metadata.get("parse") is None and choices is not None and not isinstance(choices[0], str)
+        p.add_argument(_flag(field), dest=f"option_{name}", default=None, choices=choices,
+                       type=type(choices[0]) if typed else None,
+                       help=f"--kernels {' or '.join(owners)}: {field.metadata.get('help', '')} (default {field.default})")
+
+
+def values(args) -> dict:
+    """The option values the flags gave, by name."""
+    given = {}
+    for name, (field, _) in _fields().items():
+        value = getattr(args, f"option_{name}", None)
+        if value is not None:
+            parse = field.metadata.get("parse")
+            given[name] = parse(value) if parse is not None else value
+    return given
+
+
+def spelled(args) -> list[str]:
+    """The option flags given, as they were typed (to reproduce a command)."""
+    parts = []
+    for name, (field, _) in _fields().items():
+        value = getattr(args, f"option_{name}", None)
+        if value is not None:
+            parts += [_flag(field), str(value)]
+    return parts
