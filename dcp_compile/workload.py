@@ -128,7 +128,7 @@ class Workload:
         page rules of CUDA's two, FlashInfer and Triton, are the same: any page)."""
         name = self.kernels if self.kernels != registry.AUTO else ("npu" if self.device_type == "npu" else "torch")
         lowering = registry.get(name)
-        return lowering.configured(lowering.make_options(self.options))
+        return lowering.configured(registry.options_for(lowering, self.options))
 
     def pages_for(self, dcp_size: int) -> int:
         """The page size of the model at `dcp_size`."""

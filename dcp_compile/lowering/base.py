@@ -5,8 +5,9 @@ A back end owns its parts, and everything above lowering/ (binding, the compiled
 backend, the demo, the dump) asks it through these members and never names one:
 
 - its options: `Options`, a frozen dataclass of its own (one field per option, a docstring
-  each, `metadata` giving the CLI flag's choices); `options`, the values it was configured with;
-  `configured(options)` and `resolve_options(pool)` (its 'auto' choices);
+  each, `metadata` giving the CLI flag's choices; registry.options_for builds them from
+  values by name); `options`, the values it was configured with; `configured(options)` and
+  `resolve_options(pool)` (its 'auto' choices);
 - one way to say no: `unsupported_reasons(pool, config, model=None)`, a list of reasons;
   `check_layout(page_size, dcp_size, interleave)` for pages alone (the demo's flags);
 - its KV layout: `kv_layout` (a runtime.kv_pool.KVLayout: the shapes a generic pool allocates),
@@ -87,24 +88,6 @@ class Lowering:
     baseline: str | None = None
     """The back end a DCP run of it is compared with at dcp_size 1 (None: the torch reference on
     the CPU, 'auto' on a device); itself where its numerics differ from the reference's."""
-
-    def make_options(self, given) -> Options:
-        """Its Options from DCPConfig.options: an instance of it, or option values by name."""
-        if isinstance(given, Options):
-            if not isinstance(given, self.Options):
-                raise ValueError(f"options {given!r} are not kernels={self.name!r}'s ({self.Options.__name__})")
-            return given
-        values = dict(given or ())
-        known = {f.name for f in dataclasses.fields(self.Options)}
-        for name, value in values.items():
-            if name not in known:
-                from dcp_compile.lowering import registry
-
-                owners = registry.option_owners(name)
-                owner = f" is an option of kernels={owners[0]!r};" if owners else " is no option of any back end:"
-                raise ValueError(f"{name}={value!r}{owner} kernels={self.name!r} does not read it"
-                                 + (f" (its options: {sorted(known)})" if known else ""))
-        return self.Options(**values)
 
     def configured(self, options: Options) -> "Lowering":
         """This back end with `options` (a copy where they differ from its own)."""

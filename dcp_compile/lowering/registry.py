@@ -15,7 +15,7 @@ import importlib.metadata
 import logging
 import os
 
-from dcp_compile.lowering.base import Lowering
+from dcp_compile.lowering.base import Lowering, Options
 from dcp_compile.passes import manager
 
 log = logging.getLogger("dcp_compile")
@@ -85,6 +85,24 @@ def option_owners(option: str) -> list[str]:
     """The back ends whose Options have a field named `option`."""
     _load_plugins()
     return [name for name, lowering in _LOWERINGS.items() if option in {f.name for f in dataclasses.fields(lowering.Options)}]
+
+
+def options_for(lowering: Lowering, given=()) -> Options:
+    """`lowering`'s Options from DCPConfig.options: an instance of them, or option values by
+    name; a name it does not read is an error naming the back end that does."""
+    if isinstance(given, Options):
+        if not isinstance(given, lowering.Options):
+            raise ValueError(f"options {given!r} are not kernels={lowering.name!r}'s ({lowering.Options.__name__})")
+        return given
+    values = dict(given or ())
+    known = {f.name for f in dataclasses.fields(lowering.Options)}
+    for name, value in values.items():
+        if name not in known:
+            owners = option_owners(name)
+            owner = f" is an option of kernels={owners[0]!r};" if owners else " is no option of any back end:"
+            raise ValueError(f"{name}={value!r}{owner} kernels={lowering.name!r} does not read it"
+                             + (f" (its options: {sorted(known)})" if known else ""))
+    return lowering.Options(**values)
 
 
 def resolve(kernels: str, pool, config) -> Lowering:

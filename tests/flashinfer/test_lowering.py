@@ -303,8 +303,8 @@ def test_a_graph_run_without_host_metadata_is_a_clear_error():
 
 
 def test_warm_up_builds_once_per_shape():
-    assert flashinfer.warm_up(torch.device("cpu"), 16, 8, torch.float32, PAGE) > 0
-    assert flashinfer.warm_up(torch.device("cpu"), 16, 8, torch.float32, PAGE) == 0.0
+    assert fi_plans.warm_up(torch.device("cpu"), 16, 8, torch.float32, PAGE) > 0
+    assert fi_plans.warm_up(torch.device("cpu"), 16, 8, torch.float32, PAGE) == 0.0
 
 
 def test_a_flashinfer_without_the_mla_wrapper_is_named(monkeypatch):

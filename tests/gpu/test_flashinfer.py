@@ -10,6 +10,7 @@ import torch
 
 import dcp_compile
 from dcp_compile.lowering import flashinfer
+from dcp_compile.lowering.flashinfer import plans
 from dcp_compile.ops import reference
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
@@ -101,7 +102,7 @@ def test_flashinfer_model_matches_triton_at_dcp1():
     """Prefill (causal chunks), decode and verify steps with padded rows: FlashInfer against Triton."""
     models = {k: _model(k) for k in ("flashinfer", "triton")}
     assert dcp_compile.state(models["flashinfer"]).config.kernels == "flashinfer"
-    assert any(key[1:] == (R, P, torch.bfloat16) for key in flashinfer._WARMED)  # built at apply, not in a step
+    assert any(key[1:] == (R, P, torch.bfloat16) for key in plans._WARMED)  # built at apply, not in a step
     assert dcp_compile.state(_model("auto")).config.kernels == "flashinfer"  # auto picks it on a Hopper GPU
     tables = {k: RequestTable(4, 2048, 8192, 16) for k in models}
     steps = [[[5] * 37, [6], [7] * 300]] + [[[1], [2], [3]]] * 3 + [[[1] * 7] * 3, [[4] * 16] * 3]

@@ -70,35 +70,3 @@ def wrapper_api(device: torch.device):
 def ensure_ops() -> None:
     """Register the dcp_flashinfer:: ops (importing plans does)."""
     importlib.import_module("dcp_compile.lowering.flashinfer.plans")
-
-
-_WARMED: set[tuple] = set()
-
-
-def warm_up(device: torch.device, rank_dim: int, rope_dim: int, dtype: torch.dtype, block_size: int) -> float:
-    """Build (or load) FlashInfer's MLA kernel for these shapes now, with one tiny plan and run:
-    its first use JIT-compiles with nvcc (about 15 s on an H200 host), which no serving step
-    should pay. `apply` calls it for a CUDA pool under kernels='flashinfer'. Returns the seconds
-    it took (0 when these shapes were warmed already in this process)."""
-    import time
-
-    from dcp_compile.lowering.flashinfer.plans import FlashInferPlan, PlanSpec
-    from dcp_compile.runtime.host_metadata import RankHostMetadata
-
-    key = (torch.device(device), rank_dim, rope_dim, dtype)
-    if key in _WARMED:
-        return 0.0
-    started = time.perf_counter()
-    spec = PlanSpec(keys="all", causal=False, rows=1, tokens=1, heads=16, rank_dim=rank_dim, rope_dim=rope_dim,
-                    block_size=block_size, blocks_per_row=1, sm_scale=1.0, dtype=dtype, device=torch.device(device))
-    plan = FlashInferPlan(spec)
-    plan.plan(RankHostMetadata((1,), (1,), (0,), torch.zeros(1, 1, dtype=torch.int32)))
-    cache = torch.zeros(block_size, rank_dim + rope_dim, dtype=dtype, device=device)
-    query = torch.zeros(1, 16, rank_dim + rope_dim, dtype=dtype, device=device)
-    plan.run(query[..., :rank_dim], query[..., rank_dim:], cache)
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    _WARMED.add(key)
-    seconds = time.perf_counter() - started
-    log.info("FlashInfer MLA kernel ready for R=%d, P=%d, %s in %.1f s", rank_dim, rope_dim, dtype, seconds)
-    return seconds

@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from dcp_compile.lowering import flashinfer
 from dcp_compile.lowering.flashinfer.lower_attention import LowerFlashInferAttention, flashinfer_block_size
+from dcp_compile.lowering.flashinfer import plans
 from dcp_compile.lowering.flashinfer.plans import PLAN_SPECS, FlashInferFeed
 from dcp_compile.lowering.triton.lower_kernels import LowerKernels
 from dcp_compile.lowering.triton.lowering import TritonLowering
@@ -37,7 +38,7 @@ class FlashInferLowering(TritonLowering):
     def prepare(self, pool, config) -> None:
         if pool.device.type == "cuda":  # the nvcc build of its kernel here, not in the first step
             block_size = flashinfer_block_size(pool.page_size, config.dcp_size, config.interleave)
-            flashinfer.warm_up(pool.device, pool.kv_lora_rank, pool.rope_dim, pool.dtype, block_size)
+            plans.warm_up(pool.device, pool.kv_lora_rank, pool.rope_dim, pool.dtype, block_size)
 
     def windowed(self, dcp_size: int) -> bool:
         return dcp_size > 1  # at dcp_size 1 FlashInfer's own causal mask serves any chunk

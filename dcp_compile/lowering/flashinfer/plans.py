@@ -20,6 +20,8 @@ and which names its plan, so the plan lives exactly as long as the graph's feed 
 
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -30,6 +32,8 @@ from dcp_compile.lowering.flashinfer import wrapper_api
 from dcp_compile.runtime import devices
 from dcp_compile.runtime.host_inputs import HOST_INPUT, HostFeed, HostInput, host_placeholders
 from dcp_compile.runtime.host_metadata import RankHostMetadata
+
+log = logging.getLogger("dcp_compile")
 
 WORKSPACE_BYTES = 128 << 20
 """FlashInfer's float workspace (split-KV partial outputs), one per device, shared by every plan:
@@ -227,3 +231,30 @@ class FlashInferFeed(HostFeed):
 
 def plan_placeholders(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in host_placeholders(graph) if n.meta[HOST_INPUT].kind == PLAN_INPUT]
+
+
+_WARMED: set[tuple] = set()
+
+
+def warm_up(device: torch.device, rank_dim: int, rope_dim: int, dtype: torch.dtype, block_size: int) -> float:
+    """Build (or load) FlashInfer's MLA kernel for these shapes now, with one tiny plan and run:
+    its first use JIT-compiles with nvcc (about 15 s on an H200 host), which no serving step
+    should pay. `apply` calls it for a CUDA pool under kernels='flashinfer'. Returns the seconds
+    it took (0 when these shapes were warmed already in this process)."""
+    key = (torch.device(device), rank_dim, rope_dim, dtype)
+    if key in _WARMED:
+        return 0.0
+    started = time.perf_counter()
+    spec = PlanSpec(keys="all", causal=False, rows=1, tokens=1, heads=16, rank_dim=rank_dim, rope_dim=rope_dim,
+                    block_size=block_size, blocks_per_row=1, sm_scale=1.0, dtype=dtype, device=torch.device(device))
+    plan = FlashInferPlan(spec)
+    plan.plan(RankHostMetadata((1,), (1,), (0,), torch.zeros(1, 1, dtype=torch.int32)))
+    cache = torch.zeros(block_size, rank_dim + rope_dim, dtype=dtype, device=device)
+    query = torch.zeros(1, 16, rank_dim + rope_dim, dtype=dtype, device=device)
+    plan.run(query[..., :rank_dim], query[..., rank_dim:], cache)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    _WARMED.add(key)
+    seconds = time.perf_counter() - started
+    log.info("FlashInfer MLA kernel ready for R=%d, P=%d, %s in %.1f s", rank_dim, rope_dim, dtype, seconds)
+    return seconds

@@ -69,6 +69,7 @@ def install(device_count: int = DEVICE_COUNT) -> None:
         torch.utils.rename_privateuse1_backend("npu")
         from dcp_compile.testing.npu_emulator import hccl, module
 
+        module.DEVICE_COUNT = device_count
         torch._register_device_module("npu", module)
         torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
         hccl.register()

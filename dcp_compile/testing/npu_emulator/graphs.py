@@ -203,8 +203,6 @@ class NPUGraph:
         self._captured = True
 
     def replay(self) -> None:
-        from dcp_compile.testing.npu_emulator import module
-
         if not self._captured:
             raise RuntimeError("NPUGraph.replay() before a capture")
         for record in self._records:
@@ -212,7 +210,7 @@ class NPUGraph:
             for placeholder, value in zip(pytree.tree_leaves(record.outputs), pytree.tree_leaves(result)):
                 if isinstance(placeholder, torch.Tensor) and placeholder is not value:
                     placeholder.copy_(value)
-        in_flight.add(self, module.current_stream())
+        in_flight.add(self, torch.npu.current_stream())
 
     def update(self, cpu_update_input: list[dict]) -> None:
         if in_flight.running(self):
@@ -240,9 +238,7 @@ class NPUGraph:
 @contextlib.contextmanager
 def graph(npu_graph: NPUGraph, pool=None, stream=None, auto_dispatch_capture: bool = False,
           capture_error_mode: str = "global"):
-    from dcp_compile.testing.npu_emulator import module
-
-    with module.stream(stream):
+    with torch.npu.stream(stream):
         npu_graph.capture_begin(pool)
         try:
             yield npu_graph

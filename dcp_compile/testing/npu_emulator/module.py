@@ -37,10 +37,12 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
-def device_count() -> int:
-    from dcp_compile.testing import npu_emulator
+DEVICE_COUNT = 8
+"""The emulated devices (install() sets it)."""
 
-    return npu_emulator.DEVICE_COUNT
+
+def device_count() -> int:
+    return DEVICE_COUNT
 
 
 def current_device() -> int:
