@@ -2,85 +2,18 @@
 
 from __future__ import annotations
 
-import collections
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dcp_compile import cost_model, shapes, strategy
-from dcp_compile.backend import DCPBackend
+from dcp_compile import cost_model, strategy
+from dcp_compile.binding import bind
+from dcp_compile.compiled_step import CompiledStep, DCPState
 from dcp_compile.config import DCPConfig
 from dcp_compile.lowering import registry
-from dcp_compile.lowering.base import Lowering
-from dcp_compile.passes.cache_use import CacheMisuseError
-from dcp_compile.passes.graph_utils import RewriteError
-from dcp_compile.runtime import guards, parallel
-from dcp_compile.runtime.devices import require_torch_npu
-from dcp_compile.runtime.failure import FailureLatch
-from dcp_compile.runtime.host_inputs import HostSlot
+from dcp_compile.runtime import parallel
 from dcp_compile.runtime.host_metadata import HostMetadata, HostMetadataSource
-from dcp_compile.runtime.kv_pool import CapacityReport, MLAKVPool
-from dcp_compile.runtime.peers import ShapeAgreement
-
-
-@dataclass
-class DCPState:
-    """What apply() did to a model: config, kernel back end, layout, KV pool, pass reports,
-    strategy decisions."""
-
-    config: DCPConfig
-    lowering: Lowering
-    parallel: parallel.ParallelState
-    kv_pool: MLAKVPool
-    backends: dict[str, DCPBackend]
-    strategy_counts: collections.Counter = field(default_factory=collections.Counter)
-    last_decision: cost_model.Decision | None = None
-    host_slot: HostSlot = field(default_factory=HostSlot)
-
-    @property
-    def capacity(self) -> CapacityReport:
-        return self.kv_pool.report()
-
-    @property
-    def reports(self):
-        return [report for backend in self.backends.values() for report in backend.reports]
-
-    def pass_summary(self) -> dict[str, int]:
-        """Sites rewritten per pass, summed over every graph captured so far."""
-        total: dict[str, int] = {}
-        for report in self.reports:
-            for name, sites in report.summary().items():
-                total[name] = total.get(name, 0) + sites
-        return total
-
-
-RECOMPILE_LIMIT = 256
-"""Static-shape graphs (host-planned kernels, graph capture) are one per batch shape and
-strategy, so allow many per model."""
-ACCUMULATED_RECOMPILE_LIMIT = 1 << 14
-"""Dynamo counts the graphs of one forward() over every instance of the model class: a process
-that builds several models (a DCP and a dcp_size=1 one, or test after test) must not share 256."""
-
-
-def _raise_recompile_limit() -> None:
-    config = torch._dynamo.config
-    for name, limit in (("recompile_limit", RECOMPILE_LIMIT), ("cache_size_limit", RECOMPILE_LIMIT),
-                        ("accumulated_recompile_limit", ACCUMULATED_RECOMPILE_LIMIT),
-                        ("accumulated_cache_size_limit", ACCUMULATED_RECOMPILE_LIMIT)):
-        if hasattr(config, name) and getattr(config, name) < limit:
-            setattr(config, name, limit)
-
-
-class _Variant:
-    """A strategy's backend under a distinct identity: one per (strategy, static or symbolic)."""
-
-    def __init__(self, backend: DCPBackend):
-        self.backend = backend
-
-    def __call__(self, gm, example_inputs):
-        return self.backend(gm, example_inputs)
+from dcp_compile.runtime.kv_pool import MLAKVPool
 
 
 def _refuse_direct_calls(module: nn.Module, args) -> None:
@@ -122,18 +55,12 @@ class DCPModel(nn.Module):
 
     def __init__(self, model: nn.Module, state: DCPState):
         super().__init__()
-        _raise_recompile_limit()
         self.model = model
         self.dcp_state = state
-        # A static and a symbolic-shape variant per strategy. They share the strategy's backend
-        # (its pass manager and reports) through distinct callables: dynamo keys its cache by
-        # the backend object, so a static call never reuses a symbolic graph.
-        self._compiled = {(name, symbolic): torch.compile(model, backend=_Variant(backend), fullgraph=True, dynamic=False)
-                          for name, backend in state.backends.items() for symbolic in (False, True)}
         config, pool = state.config, state.kv_pool
-        self._latch = FailureLatch(has_peers=state.parallel.tp_size > 1 or config.dcp_size > 1)
-        self._peers = ShapeAgreement(config.dcp_size, state.parallel.dcp_rank, state.parallel.dcp_group_name)
-        self._errors = guards.ErrorWatcher(pool.cache(0).device)
+        self._compiled_step = CompiledStep(model, state, too_many_shapes=(
+            f"(kernels={state.lowering.name!r} plans each shape on the host): pad batches to a few shapes "
+            "(RequestTable.extend_batch(..., bucket=True) rounds tokens and rows up to powers of two)"))
         self._host = (HostMetadataSource(config.dcp_size, config.interleave, pool.page_size, pool.rows_per_rank,
                                          f"kernels={state.lowering.name!r}")
                       if state.lowering.plans_on_host else None)
@@ -146,9 +73,7 @@ class DCPModel(nn.Module):
     def compiled(self, strategy_name: str = "gather-q"):
         """The compiled step of one strategy with static shapes, for callers that fix it (graph
         capture: one graph per batch bucket)."""
-        if (strategy_name, False) not in self._compiled:
-            raise ValueError(f"no {strategy_name!r} variant; this model has {sorted(self.dcp_state.backends)}")
-        compiled, model = self._compiled[(strategy_name, False)], self.model
+        compiled, model = self._compiled_step.variant(strategy_name), self.model
 
         def step(*args, **kwargs):
             model._dcp_step_running = True
@@ -164,20 +89,13 @@ class DCPModel(nn.Module):
         """Run one step. host_metadata: the batch's host-side local metadata (`ForwardBatch.host`),
         needed by back ends whose kernels plan on the host (Lowering.plans_on_host); without it, it is
         computed from the batch tensors where they are on the CPU."""
-        self._latch.check()
-        try:
-            self._errors.raise_if_set(wait=False)
-            out = self._step(args, kwargs, host_metadata)
-            self._errors.watch()
-            return out
-        except BaseException as exc:
-            self._latch.record(exc)
-            raise
+        with self._compiled_step.guarded():
+            return self._run(args, kwargs, host_metadata)
 
     def check_errors(self) -> None:
         """Wait for the last step's device error flags and raise if one was set (steps replayed
         by a GraphRunner do not pass through the model: call this there from time to time)."""
-        self._errors.raise_if_set(wait=True)
+        self._compiled_step.check_errors()
 
     def decide(self, *args, host_metadata: HostMetadata | None = None, **kwargs) -> cost_model.Decision:
         """The attention strategy a call with these arguments runs (what a graph runner captures)."""
@@ -191,37 +109,19 @@ class DCPModel(nn.Module):
         facts = _batch_facts(self.model, args, kwargs, host_metadata, costs)
         return strategy.decide(state.config, state.lowering, facts, self._model_facts)
 
-    def _step(self, args, kwargs, host_metadata):
+    def _run(self, args, kwargs, host_metadata):
         state = self.dcp_state
         if self._host is not None:
             host_metadata = self._host.for_step(self.model, args, kwargs, host_metadata)
         decision = self._decide(args, kwargs, host_metadata)
-        self._peers.check(args, kwargs, strategy.STRATEGIES.index(decision.strategy))
         state.strategy_counts[decision.strategy] += 1
         state.last_decision = decision
-        state.host_slot.begin(host_metadata)
+        symbolic = not state.lowering.static_shapes(decision.strategy, state.config.inner_compile)
         self.model._dcp_step_running = True
         try:
-            if state.lowering.static_shapes(decision.strategy) or state.config.inner_compile == "torchair":
-                return self._compiled[(decision.strategy, False)](*args, **kwargs)
-            args, kwargs = shapes.symbolic_batch(args, kwargs)
-            with shapes.distinct_sizes():
-                return self._compiled[(decision.strategy, True)](*args, **kwargs)
-        except torch._dynamo.exc.BackendCompilerFailed as exc:
-            # The passes' own errors say what is wrong with the model or the batch: surface them as
-            # they are, not wrapped in dynamo's compiler-failure report.
-            if isinstance(exc.inner_exception, (ValueError, TypeError, CacheMisuseError, RewriteError)):
-                raise exc.inner_exception from None
-            raise
-        except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
-            raise RuntimeError(
-                f"this model compiled {RECOMPILE_LIMIT} graphs, one per distinct batch shape (kernels="
-                f"{state.lowering.name!r} plans each shape on the host): pad batches to a few shapes "
-                "(RequestTable.extend_batch(..., bucket=True) rounds tokens and rows up to powers of two)"
-            ) from exc
+            return self._compiled_step.run(decision.strategy, args, kwargs, host_metadata, symbolic=symbolic)
         finally:
             self.model._dcp_step_running = False
-            state.host_slot.end()
 
 
 def _check_model(model: nn.Module) -> tuple[MLAKVPool, parallel.ParallelState]:
@@ -255,7 +155,9 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     if isinstance(model, DCPModel) or getattr(model, "dcp_state", None) is not None:
         raise ValueError("this model was already applied (it is what dcp_compile.apply returned): apply the original "
                          "model once")
-    config = config.replace(dcp_size=dcp_size, **config_fields) if config else DCPConfig(dcp_size=dcp_size, **config_fields)
+    fields, option_values = DCPConfig.split_fields(config_fields)  # the rest: the back end's options, by name
+    config = config.replace(dcp_size=dcp_size, **fields) if config else DCPConfig(dcp_size=dcp_size, **fields)
+    config = config.with_options(option_values)
     registry.check_pass_names(config.disabled_passes)
     from dcp_compile.hf import is_transformers_model
 
@@ -273,24 +175,10 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     replicated = _replicated_heads(current, config)
     if not replicated:
         parallel.validate_sizes(current.tp_size, config.dcp_size, world)
-    lowering = registry.resolve(config.kernels, pool, config)
-    if replicated:
-        strategy.require_replicated_back_end(lowering, f"a model with unsplit heads (tp_size 1) at dcp_size {config.dcp_size}")
-    config = config.replace(kernels=lowering.name)
-    config.check_options(lowering)
-    lowering = lowering.configured(config)
-    config = config.resolved(lowering, pool)
-    lowering.check(model, pool, config)
-    if config.inner_compile == "torchair":
-        require_torch_npu("inner_compile='torchair'")
-    lowering.prepare(pool, config)
+    binding = bind(config, pool, model, replicated=replicated)
     groups = parallel.build_replicated(config.dcp_size) if replicated else parallel.build(current.tp_size, config.dcp_size)
-    pool.reshard(groups.dcp_size, groups.dcp_rank, config.interleave, kv_keep)
-    pool.use_layout(lowering.kv_layout)
-    host_slot = HostSlot(groups.dcp_rank)
-    names = (strategy.REPLICATED_Q,) if replicated else lowering.strategies(config.dcp_size)
-    backends = {name: DCPBackend(config, groups, lowering, name, pool.page_size, host_slot, pool) for name in names}
-    return DCPModel(model, DCPState(config, lowering, groups, pool, backends, host_slot=host_slot))
+    binding.shard_pool(groups.dcp_rank, kv_keep)
+    return DCPModel(model, DCPState.build(binding, groups))
 
 
 def _replicated_heads(current: parallel.ParallelState, config: DCPConfig) -> bool:

@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from dcp_compile import cost_model, strategy
+from dcp_compile.binding import bind
 from dcp_compile.models.config import MLAModelConfig, allowed_tp_sizes
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import default_passes
@@ -186,11 +187,9 @@ def capture(spec: GraphSpec) -> CapturedGraph:
     capacity = (spec.batch * pages_per_request + 1) * spec.page  # page 0 holds the reserved location 0
     model = MLAModel(cfg, kv_capacity=capacity, max_requests=spec.batch, par=spec.parallel_state(),
                      dtype=DTYPES[spec.dtype], device="meta", page_size=spec.page)
-    if spec.dcp_size > 1 and model.kv_pool is not None:
-        # As apply() does: the cache the passes see is this rank's shard.
-        model.kv_pool.reshard(spec.dcp_size, 0, spec.interleave)
     if model.kv_pool is not None:
-        model.kv_pool.use_layout(spec.lowering().kv_layout)
+        # As apply() does: the back end's checks, and the cache the passes see is this rank's shard in its layout.
+        bind(spec.config(), model.kv_pool, model).shard_pool(dcp_rank=0)
     table = RequestTable(spec.batch, per_request, capacity, page_size=spec.page)
     requests = list(range(spec.batch))
     if spec.context:

@@ -28,17 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dcp_compile.api import DCPState, _raise_recompile_limit, _Variant
-from dcp_compile.backend import DCPBackend
+from dcp_compile.binding import bind
+from dcp_compile.compiled_step import CompiledStep, DCPState
 from dcp_compile.config import DCPConfig
 from dcp_compile.hf.absorb import AbsorbError, AbsorbMLA
 from dcp_compile.hf.cache import DCPCache
-from dcp_compile.lowering import registry
-from dcp_compile.passes.cache_use import CacheMisuseError
-from dcp_compile.passes.graph_utils import RewriteError
-from dcp_compile.strategy import REPLICATED_Q, require_replicated_back_end
+from dcp_compile.strategy import REPLICATED_Q
 from dcp_compile.runtime import parallel
-from dcp_compile.runtime.host_inputs import HostSlot
 from dcp_compile.runtime.kv_pool import MLAKVPool
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "sarvam_mla")
@@ -93,23 +89,12 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
                            "ranks (init_process_group on every rank, or dcp_compile.runtime.launch)")
     text = model.config.get_text_config(decoder=True)
     capacity = kv_capacity if kv_capacity is not None else 1 + text.max_position_embeddings
-    groups = parallel.build_replicated(config.dcp_size)
     pool = MLAKVPool(text.num_hidden_layers, capacity, text.kv_lora_rank, text.qk_rope_head_dim, model.dtype,
                      model.device)
-    lowering = registry.resolve(config.kernels, pool, config)
-    require_replicated_back_end(lowering, "the transformers front end")
-    config = config.replace(kernels=lowering.name)
-    config.check_options(lowering)
-    lowering = lowering.configured(config)
-    config = config.resolved(lowering, pool)
-    lowering.check(model, pool, config)
-    lowering.prepare(pool, config)
-    pool.reshard(groups.dcp_size, groups.dcp_rank, config.interleave, kv_keep)
-    strategy = REPLICATED_Q if config.dcp_size > 1 else "gather-q"
-    host_slot = HostSlot(groups.dcp_rank)
-    backend = DCPBackend(config, groups, lowering, strategy, pool.page_size, host_slot, pool,
-                         front_end_passes=[AbsorbMLA()])
-    return DCPTransformersModel(model, DCPState(config, lowering, groups, pool, {strategy: backend}, host_slot=host_slot))
+    binding = bind(config, pool, model, replicated=True, who="the transformers front end")
+    groups = parallel.build_replicated(config.dcp_size)
+    binding.shard_pool(groups.dcp_rank, kv_keep)
+    return DCPTransformersModel(model, DCPState.build(binding, groups, front_end_passes=[AbsorbMLA()]))
 
 
 class DCPTransformersModel(nn.Module):
@@ -118,13 +103,14 @@ class DCPTransformersModel(nn.Module):
 
     def __init__(self, model: nn.Module, state: DCPState):
         super().__init__()
-        _raise_recompile_limit()
         self.model, self.dcp_state = model, state
         self.cache_kwarg = cache_kwarg(model)
         forward = type(model).forward.__get__(model)
         self._signature = inspect.signature(forward)
-        (backend,) = state.backends.values()
-        self._compiled = torch.compile(forward, backend=_Variant(backend), fullgraph=True, dynamic=False)
+        (self._strategy,) = state.backends
+        self._compiled_step = CompiledStep(forward, state, errors=(AbsorbError,), too_many_shapes=(
+            "(the transformers front end compiles each (batch, tokens) shape): run a few batch sizes and prompt "
+            "lengths"))
         model.forward = self._step  # the instance's, so generate() and model(...) run the DCP step
 
     @property
@@ -163,18 +149,17 @@ class DCPTransformersModel(nn.Module):
         return kwargs.get("max_length", generation_config.max_length)
 
     def _step(self, *args, **kwargs):
-        call = self._signature.bind_partial(*args, **kwargs).arguments
-        call.update(call.pop("kwargs", {}))
-        if self.cache_kwarg != "past_key_values" and "past_key_values" in call:
-            call[self.cache_kwarg] = call.pop("past_key_values")  # the deprecated name
-        call = self._checked(call)
-        try:
-            out = self._compiled(**call)
-        except torch._dynamo.exc.BackendCompilerFailed as exc:
-            if isinstance(exc.inner_exception, (ValueError, TypeError, AbsorbError, CacheMisuseError, RewriteError)):
-                raise exc.inner_exception from None
-            raise
-        return out
+        with self._compiled_step.guarded():
+            call = self._signature.bind_partial(*args, **kwargs).arguments
+            call.update(call.pop("kwargs", {}))
+            if self.cache_kwarg != "past_key_values" and "past_key_values" in call:
+                call[self.cache_kwarg] = call.pop("past_key_values")  # the deprecated name
+            return self._compiled_step.run(self._strategy, (), self._checked(call))
+
+    def check_errors(self) -> None:
+        """Wait for the last step's device error flags and raise if one was set (a step raises
+        those of the steps before it by itself)."""
+        self._compiled_step.check_errors()
 
     def _checked(self, call: dict) -> dict:
         """The call as the compiled step takes it, or a ValueError saying what it cannot serve."""

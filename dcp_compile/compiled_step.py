@@ -1,0 +1,191 @@
+"""The compiled step every front end runs: one core for apply()'s DCPModel (dcp_compile/api.py)
+and the transformers front end's DCPTransformersModel (dcp_compile/hf/model.py).
+
+What a front end gets from CompiledStep:
+- the dynamo variants: a static and a symbolic-shape compile of its function per strategy,
+  each through the strategy's DCPBackend, under recompile limits that suit one graph per shape;
+- `guarded()`, around a whole step: the failure latch (runtime/failure.py) and the device
+  error flags (runtime/guards.py), read back after each step and raised at the next;
+- `run()`, the compiled call: the DCP peers' agreement on the batch shapes (runtime/peers.py),
+  the step's host metadata in the host slot (runtime/host_inputs.py), and the passes' own
+  errors raised as they are, not wrapped in dynamo's compiler-failure report.
+
+What stays with the front end: what it compiles, how it checks and decides a call (the strategy,
+static or symbolic shapes), and what it returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from dcp_compile import cost_model, shapes, strategy
+from dcp_compile.backend import DCPBackend
+from dcp_compile.binding import Binding
+from dcp_compile.config import DCPConfig
+from dcp_compile.lowering.base import Lowering
+from dcp_compile.passes.cache_use import CacheMisuseError
+from dcp_compile.passes.graph_utils import RewriteError
+from dcp_compile.runtime import guards, parallel
+from dcp_compile.runtime.failure import FailureLatch
+from dcp_compile.runtime.host_inputs import HostSlot
+from dcp_compile.runtime.host_metadata import HostMetadata
+from dcp_compile.runtime.kv_pool import CapacityReport, MLAKVPool
+from dcp_compile.runtime.peers import ShapeAgreement
+
+
+@dataclass
+class DCPState:
+    """What apply() did to a model: config, kernel back end, layout, KV pool, pass reports,
+    strategy decisions."""
+
+    config: DCPConfig
+    lowering: Lowering
+    parallel: parallel.ParallelState
+    kv_pool: MLAKVPool
+    backends: dict[str, DCPBackend]
+    strategy_counts: collections.Counter = field(default_factory=collections.Counter)
+    last_decision: cost_model.Decision | None = None
+    host_slot: HostSlot = field(default_factory=HostSlot)
+
+    @classmethod
+    def build(cls, binding: Binding, groups: parallel.ParallelState, front_end_passes=()) -> "DCPState":
+        """The state of a bound model whose pool is sharded over `groups`: one DCPBackend per
+        strategy of the binding (with the front end's passes first), sharing one host slot."""
+        config, pool = binding.config, binding.pool
+        host_slot = HostSlot(groups.dcp_rank)
+        backends = {name: DCPBackend(config, groups, binding.lowering, name, pool.page_size, host_slot, pool,
+                                     front_end_passes=front_end_passes)
+                    for name in binding.strategies}
+        return cls(config, binding.lowering, groups, pool, backends, host_slot=host_slot)
+
+    @property
+    def capacity(self) -> CapacityReport:
+        return self.kv_pool.report()
+
+    @property
+    def reports(self):
+        return [report for backend in self.backends.values() for report in backend.reports]
+
+    def pass_summary(self) -> dict[str, int]:
+        """Sites rewritten per pass, summed over every graph captured so far."""
+        total: dict[str, int] = {}
+        for report in self.reports:
+            for name, sites in report.summary().items():
+                total[name] = total.get(name, 0) + sites
+        return total
+
+
+RECOMPILE_LIMIT = 256
+"""Static-shape graphs (host-planned kernels, graph capture) are one per batch shape and
+strategy, so allow many per model."""
+ACCUMULATED_RECOMPILE_LIMIT = 1 << 14
+"""Dynamo counts the graphs of one forward() over every instance of the model class: a process
+that builds several models (a DCP and a dcp_size=1 one, or test after test) must not share 256."""
+
+PASS_ERRORS = (ValueError, TypeError, CacheMisuseError, RewriteError)
+"""What the passes raise about the model or the batch: surfaced as they are."""
+
+
+def raise_recompile_limit() -> None:
+    config = torch._dynamo.config
+    for name, limit in (("recompile_limit", RECOMPILE_LIMIT), ("cache_size_limit", RECOMPILE_LIMIT),
+                        ("accumulated_recompile_limit", ACCUMULATED_RECOMPILE_LIMIT),
+                        ("accumulated_cache_size_limit", ACCUMULATED_RECOMPILE_LIMIT)):
+        if hasattr(config, name) and getattr(config, name) < limit:
+            setattr(config, name, limit)
+
+
+class _Variant:
+    """A strategy's backend under a distinct identity: one per (strategy, static or symbolic)."""
+
+    def __init__(self, backend: DCPBackend):
+        self.backend = backend
+
+    def __call__(self, gm, example_inputs):
+        return self.backend(gm, example_inputs)
+
+
+class CompiledStep:
+    """`function` (a module, or a bound forward) compiled once per strategy of `state`, and run
+    one step at a time.
+
+    errors: exception types of the front end's own passes, surfaced as the DCP passes' are.
+    too_many_shapes: what follows "this model compiled 256 graphs, one per distinct batch
+    shape" when a model runs into the recompile limit: why its shapes are static, and how to
+    bound them."""
+
+    def __init__(self, function, state: DCPState, *, too_many_shapes: str,
+                 errors: tuple[type[BaseException], ...] = ()):
+        raise_recompile_limit()
+        self.state = state
+        self._function = function
+        self._compiled: dict[tuple[str, bool], object] = {}
+        self._too_many_shapes = too_many_shapes
+        self._errors = PASS_ERRORS + tuple(errors)
+        config, groups = state.config, state.parallel
+        self._latch = FailureLatch(has_peers=groups.tp_size > 1 or config.dcp_size > 1)
+        self._peers = ShapeAgreement(config.dcp_size, groups.dcp_rank, groups.dcp_group_name)
+        # The device the kernels flag errors on: the cache's (npu:0, not the pool's npu).
+        self._flags = guards.ErrorWatcher(state.kv_pool.cache(0).device)
+
+    def variant(self, strategy_name: str, symbolic: bool = False):
+        """The compiled function of one strategy, static or symbolic in the batch shape."""
+        if strategy_name not in self.state.backends:
+            raise ValueError(f"no {strategy_name!r} variant; this model has {sorted(self.state.backends)}")
+        key = (strategy_name, symbolic)
+        if key not in self._compiled:
+            # The static and the symbolic variant share the strategy's backend (its pass manager and
+            # reports) through distinct callables: dynamo keys its cache by the backend object, so a
+            # static call never reuses a symbolic graph.
+            backend = _Variant(self.state.backends[strategy_name])
+            self._compiled[key] = torch.compile(self._function, backend=backend, fullgraph=True, dynamic=False)
+        return self._compiled[key]
+
+    @contextlib.contextmanager
+    def guarded(self):
+        """Around one whole step (its host-side checks included): refuse it after a failed one
+        where the rank has peers, raise the device error flags an earlier step set, and start
+        reading back those this one sets."""
+        self._latch.check()
+        try:
+            self._flags.raise_if_set(wait=False)
+            yield
+            self._flags.watch()
+        except BaseException as exc:
+            self._latch.record(exc)
+            raise
+
+    def check_errors(self) -> None:
+        """Wait for the last step's device error flags and raise if one was set."""
+        self._flags.raise_if_set(wait=True)
+
+    def run(self, strategy_name: str, args: tuple, kwargs: dict, host_metadata: HostMetadata | None = None, *,
+            symbolic: bool = False):
+        """The compiled call of one strategy, once the DCP peers agree on the batch shapes, with
+        `host_metadata` in the host slot. symbolic: the batch dimension of every tensor argument
+        symbolic (shapes.symbolic_batch), so that one graph serves many batch shapes."""
+        compiled = self.variant(strategy_name, symbolic)
+        self._peers.check(args, kwargs, strategy.STRATEGIES.index(strategy_name))
+        slot = self.state.host_slot
+        slot.begin(host_metadata)
+        try:
+            if not symbolic:
+                return compiled(*args, **kwargs)
+            args, kwargs = shapes.symbolic_batch(args, kwargs)
+            with shapes.distinct_sizes():
+                return compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            # The passes' own errors say what is wrong with the model or the batch: surface them as
+            # they are, not wrapped in dynamo's compiler-failure report.
+            if isinstance(exc.inner_exception, self._errors):
+                raise exc.inner_exception from None
+            raise
+        except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+            raise RuntimeError(f"this model compiled {RECOMPILE_LIMIT} graphs, one per distinct batch shape "
+                               f"{self._too_many_shapes}") from exc
+        finally:
+            slot.end()
