@@ -1,6 +1,6 @@
 """Sweep partial-attention tilings at 128k context on one GPU, to pick the heuristic's choices.
 
-    python bench/attention_sweep.py --out bench/results/attention_sweep.json
+    python -m bench.attention_sweep --out bench/results/attention_sweep.json
 
 Measures each tiling (heads per program, keys per step, warps, stages) at the given head counts
 and batches, with the split count the heuristic would pick for that head tile, as a fraction of
@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-from kernels import AttentionBench, copy_bandwidth, require_cuda  # noqa: E402
+from bench.kernels import AttentionBench
+from bench.lib import result as results
+from bench.lib.timing import copy_bandwidth, require_cuda
 
 
 def candidates(heads: int):
@@ -30,23 +28,25 @@ def candidates(heads: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/attention_sweep.json")
     p.add_argument("--heads", default="64,32")
     p.add_argument("--batches", default="4,64")
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--budget-s", type=float, default=200)
     args = p.parse_args(argv)
-    torch = require_cuda()
+    require_cuda("bench.attention_sweep")
     import triton
 
     from dcp_compile.lowering.triton.attention_tiling import AttentionTiling, choose_num_splits, parallel_units
 
     started = time.monotonic()
-    copy = copy_bandwidth(torch, 4.0, 10)["bytes_per_s"]
+    result = results.start("attention_sweep", argv, torch.device("cuda", 0))
+    copy = copy_bandwidth(4.0, 10)["bytes_per_s"]
+    result["run"].update(copy_bytes_per_s=copy, context=args.context)
     torch.cuda.empty_cache()
     batches = [int(b) for b in args.batches.split(",")]
-    bench = AttentionBench(torch, max(batches) * args.context, 60 << 20, 10)
+    bench = AttentionBench(max(batches) * args.context, 60 << 20, 10)
     rows = []
     for heads in [int(h) for h in args.heads.split(",")]:
         for block_h, block_n, warps, stages in candidates(heads):
@@ -77,11 +77,12 @@ def main(argv=None) -> int:
     for row in top:
         t = row["tiling"]
         print(f"  64 heads batch {row['batch']:3d}: {row['fraction_of_copy']:.1%}  h{t['block_h']} n{t['block_n']} w{t['num_warps']} s{t['num_stages']}")
-    Path(args.out).write_text(json.dumps({"copy_bytes_per_s": copy, "context": args.context, "rows": rows,
-                                          "command": " ".join(sys.argv)}, indent=1))
-    print(f"{len(rows)} measurements in {time.monotonic() - started:.0f} s")
+    results.add(result, results.MAIN, *rows)
+    result["run"]["seconds"] = time.monotonic() - started
+    results.write(result, args.out)
+    print(f"{len(rows)} measurements in {result['run']['seconds']:.0f} s")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Decode benchmark: DCP = 1 against DCP = 2, side by side in one run, with CUDA graphs.
 
-    torchrun --nproc-per-node 2 bench/decode.py --out bench/results/decode_h200x2.json --plot bench/results/decode_h200x2.png
+    torchrun --nproc-per-node 2 -m bench.decode --out bench/results/decode_h200x2.json --plot bench/results/decode_h200x2.png
 
 Both settings run on the same 2 ranks at TP = 2 (Kimi-K2: 64 heads in all, 32 per rank,
 R = 512, P = 64, bf16): at DCP = 1 each rank holds the whole latent cache; at DCP = 2 each holds
@@ -21,30 +21,20 @@ check the script itself. Times are maxima over ranks of per-rank medians.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import shlex
-import statistics
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-import dcp_compile  # noqa: E402
-from dcp_compile import ops  # noqa: E402
-from dcp_compile.models.config import preset  # noqa: E402
-from dcp_compile.models.mla import MLAModel  # noqa: E402
-from dcp_compile.runtime import layout, parallel  # noqa: E402
-from dcp_compile.runtime.batch import ForwardBatch  # noqa: E402
-from dcp_compile.runtime.kv_pool import MLAKVPool  # noqa: E402
-from dcp_compile.runtime.launch import init_from_env  # noqa: E402
+import dcp_compile
+from bench.lib import plots, tables
+from bench.lib import result as results
+from bench.lib.cases import AttentionLayer, decode_page_table, fill_random, page_size, stack_batch
+from bench.lib.timing import Timer, copy_bandwidth, median_call_seconds, require_cuda, slowest
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.runtime import layout, parallel
+from dcp_compile.runtime.launch import init_from_env
 
 C10D = torch.ops._c10d_functional
 
@@ -64,81 +54,6 @@ def parse_args(argv=None):
     for name in ("contexts", "batches", "stack_contexts"):
         setattr(args, name, [int(v) for v in getattr(args, name).split(",") if v])
     return args
-
-
-class Timer:
-    """Median seconds per call: CUDA-graph replays timed with events, or host time on CPU."""
-
-    def __init__(self, device: torch.device, replays: int, repeats: int = 10):
-        self.device, self.replays, self.repeats = device, replays, repeats
-
-    def __call__(self, fn) -> dict:
-        """`fn` runs `repeats` times back to back inside one graph, so launch overhead and the
-        ranks' skew at the start of a replay are spread over many steps."""
-        if self.device.type != "cuda":
-            fn()
-            seconds = []
-            for _ in range(self.replays):
-                start = time.perf_counter()
-                fn()
-                seconds.append(time.perf_counter() - start)
-            return {"seconds": statistics.median(seconds), "graph": False}
-        from kernels import time_graph
-
-        dist.barrier()
-        try:
-            return {"seconds": time_graph(torch, lambda i: fn(), self.repeats, self.replays), "graph": True}
-        except Exception as exc:  # a capture that fails is reported, then timed eagerly
-            torch.cuda.synchronize()
-            return {"seconds": self._eager(fn), "graph": False, "capture_error": f"{type(exc).__name__}: {exc}"[:300]}
-
-    def _eager(self, fn) -> float:
-        return median_call_seconds(fn, self.replays)
-
-
-def median_call_seconds(fn, calls: int) -> float:
-    """Median of CUDA-event times around single calls, host launch work included."""
-    seconds = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        seconds.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(seconds)
-
-
-def slowest(seconds: float, device) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-class AttentionLayer(nn.Module):
-    """One MLA decode attention layer written against the canonical ops."""
-
-    def __init__(self, heads: int, rank_dim: int, rope_dim: int, capacity: int, dtype, device, par, page_size: int = 1):
-        super().__init__()
-        self.kv_pool = MLAKVPool(1, capacity, rank_dim, rope_dim, dtype, device, page_size)
-        self.parallel, self.sm_scale = par, (128 + rope_dim) ** -0.5
-
-    def forward(self, q_latent, q_rope, latent, rope, out_loc, req_to_token, seq_lens, q_seq_ids, q_positions):
-        cache = self.kv_pool.cache(0)
-        ops.mla_kv_write(cache, latent, rope, out_loc)
-        return ops.mla_attention(q_latent, q_rope, cache, req_to_token, seq_lens, q_seq_ids, q_positions, self.sm_scale)
-
-
-def decode_page_table(batch: int, context: int, width: int, device) -> torch.Tensor:
-    """Request b holds locations 1 + b*context ... : contiguous, so balanced across ranks."""
-    table = torch.zeros(batch, width, dtype=torch.int64, device=device)
-    table[:, :context] = 1 + torch.arange(batch, device=device)[:, None] * context + torch.arange(context, device=device)
-    return table
-
-
-def fill_random(tensor: torch.Tensor) -> None:
-    for chunk in tensor.view(-1).split(1 << 28):
-        chunk.normal_()
 
 
 def bench_attention_layer(args, shapes, dcp_size, device, timer, tp) -> list[dict]:
@@ -218,20 +133,10 @@ def bench_pack_merge(args, shapes, device, timer, batch=64) -> dict:
     return {"batch": batch, "heads_per_rank": heads_local, "seconds": slowest(t, device)}
 
 
-def stack_batch(batch: int, context: int, width: int, device) -> ForwardBatch:
-    table = decode_page_table(batch, context, width, device)
-    rows = torch.arange(batch, device=device)
-    return ForwardBatch(
-        input_ids=(rows * 31 + 7) % 4096, positions=torch.full((batch,), context - 1, device=device), q_seq_ids=rows,
-        out_loc=table[:, context - 1].clone(), req_to_token=table, seq_lens=torch.full((batch,), context, device=device),
-        state_slots=torch.zeros(batch, dtype=torch.int64, device=device), logits_index=rows,
-    )
-
-
 def bench_model_stack(args, shapes, device, timer, tp) -> list[dict]:
     cfg = (preset("tiny") if args.smoke else preset("kimi-k2").replace(vocab_size=4096)).replace(layer_types=("mla",) * 4)
     width = max(args.stack_contexts)
-    capacity = max(args.batches) * width + 2
+    capacity = max(args.batches) * width + 2 * page_size(1)
     rows = []
     for dcp_size in (1, 2):
         model = MLAModel(cfg, kv_capacity=capacity, max_requests=max(args.batches), par=tp, dtype=shapes["dtype"], device=device)
@@ -241,7 +146,7 @@ def bench_model_stack(args, shapes, device, timer, tp) -> list[dict]:
         step = compiled.compiled("gather-q")
         for context in args.stack_contexts:
             for batch in args.batches:
-                inputs = stack_batch(batch, context, width, device).args()
+                inputs = stack_batch(batch, context, 1, 1, device, width).args()
                 timing = timer(lambda: step(*inputs))
                 rows.append({"dcp_size": dcp_size, "context": context, "batch": batch, "layers": 4,
                              "step_seconds": slowest(timing["seconds"], device), "graph": timing["graph"]})
@@ -263,7 +168,7 @@ def bench_graph_speedup(args, device, tp) -> list[dict]:
         model = MLAModel(cfg, kv_capacity=4096, max_requests=4, par=tp, device=device)
         compiled = dcp_compile.apply(model, dcp_size, attention_strategy="gather-q")
         step = compiled.compiled("gather-q")
-        batch = stack_batch(1, 100, 128, torch.device("cpu"))
+        batch = stack_batch(1, 100, 1, 1, torch.device("cpu"), 128)
         runner = GraphRunner(step, buckets=(1, 2, 4), debug=True, watched=[model.kv_pool.cache(i) for i in range(4)])
         gpu_batch = batch.to(device)
         for _ in range(3):
@@ -292,9 +197,11 @@ def capacity(args, device) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not args.smoke:
+        require_cuda("bench.decode")
     rank, world = init_from_env("gloo" if args.smoke else "nccl")
     if world != 2:
-        raise SystemExit(f"bench/decode.py runs on 2 ranks (torchrun --nproc-per-node 2), got {world}")
+        raise SystemExit(f"bench.decode runs on 2 ranks (torchrun --nproc-per-node 2 -m bench.decode), got {world}")
     device = torch.device("cuda", torch.cuda.current_device()) if not args.smoke else torch.device("cpu")
     shapes = {"R": 32, "P": 16, "dtype": torch.float32} if args.smoke else {"R": 512, "P": 64, "dtype": torch.bfloat16}
     if args.smoke:
@@ -303,40 +210,30 @@ def main(argv=None) -> int:
     tp = parallel.build(2, 1)
     dcp_group = parallel.build(2, 2).dcp_group_name
     started = time.time()
-    result = {
-        "command": "torchrun --nproc-per-node 2 " + " ".join(shlex.quote(a) for a in sys.argv),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "gpus": world},
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                     "triton": __import__("triton").__version__ if device.type == "cuda" else None,
-                     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None},
-        "shapes": {"heads_total": args.heads, "tp_size": 2, "kv_lora_rank": shapes["R"], "rope_dim": shapes["P"],
-                   "dtype": str(shapes["dtype"])},
-    }
+    result = results.start("decode", argv, device)
+    result["machine"]["ranks"] = world
+    run = result["run"]
+    run["shapes"] = {"heads_total": args.heads, "tp_size": 2, "kv_lora_rank": shapes["R"], "rope_dim": shapes["P"],
+                     "dtype": str(shapes["dtype"])}
     if device.type == "cuda":
-        from kernels import copy_bandwidth
-
-        result["copy"] = copy_bandwidth(torch, 4.0, args.replays)
+        run["copy"] = copy_bandwidth(4.0, args.replays)
         torch.cuda.empty_cache()
-    result["attention_layer"] = [row for n in (1, 2) for row in bench_attention_layer(args, shapes, n, device, timer, tp)]
-    result["kernel_and_comms"] = bench_kernel_and_comms(args, shapes, device, timer, dcp_group)
-    result["pack_merge"] = bench_pack_merge(args, shapes, device, timer)
-    result["model_stack"] = bench_model_stack(args, shapes, device, timer, tp)
-    result["graph_speedup"] = bench_graph_speedup(args, device, tp)
-    result["capacity"] = capacity(args, device)
-    result["seconds"] = time.time() - started
+    results.add(result, "attention_layer",
+                *[row for n in (1, 2) for row in bench_attention_layer(args, shapes, n, device, timer, tp)])
+    results.add(result, "kernel_and_comms", *bench_kernel_and_comms(args, shapes, device, timer, dcp_group))
+    run["pack_merge"] = bench_pack_merge(args, shapes, device, timer)
+    results.add(result, "model_stack", *bench_model_stack(args, shapes, device, timer, tp))
+    results.add(result, "graph_speedup", *bench_graph_speedup(args, device, tp))
+    run["capacity"] = capacity(args, device)
+    run["seconds"] = time.time() - started
     if rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
-        from report_decode import plot, print_summary
-
-        print_summary(result)
+        results.write(result, args.out)
+        print("\n".join(tables.lines(result)))
         if args.plot:
-            plot(result, args.plot)
+            plots.decode(result, args.plot)
     dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -2,28 +2,22 @@
 verify step: cuBLAS (torch's default) against inductor's autotuned GEMMs, and the horizontal
 fusions a serving engine makes (q_a with kv_a, which read the same hidden state; gate with up).
 
-    python bench/decode_gemms.py --out bench/results/decode_gemms_h200.json
+    python -m bench.decode_gemms --out bench/results/decode_gemms_h200.json
 
 Each GEMM is replayed from a CUDA graph over weights rotated past the L2, so every call reads
 its weight from HBM; the fraction is the weight bytes over the time, against the copy rate
-measured in the same run (bench/kernels.py).
+measured in the same run (bench.lib.timing).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kernels import time_graph  # noqa: E402
+from bench.lib import result as results
+from bench.lib.timing import copy_bandwidth, require_cuda, time_graph
 
 HIDDEN, Q_LORA, KV_A, HEADS, QK_HEAD, V_HEAD, MLP = 7168, 1536, 576, 64, 192, 128, 2048
 GEMMS = {  # name: (out features, in features) of one layer's weights, Kimi-K2 with 64 heads on one GPU
@@ -46,15 +40,15 @@ def parse_args(argv=None):
 
 def time_rotated(fn, inputs: list, replays: int) -> float:
     """Median seconds of fn(*inputs[i]), the rotation replayed from one CUDA graph."""
-    return time_graph(torch, lambda i: fn(*inputs[i]), len(inputs), replays)
+    return time_graph(lambda i: fn(*inputs[i]), len(inputs), replays)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from kernels import copy_bandwidth
-
+    require_cuda("bench.decode_gemms")
     torch.manual_seed(0)
-    copy = copy_bandwidth(torch, 4.0, 10)
+    result = results.start("decode_gemms", argv, torch.device("cuda", 0))
+    copy = copy_bandwidth(4.0, 10)
     started = time.time()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
@@ -83,11 +77,8 @@ def main(argv=None) -> int:
                      if "autotuned_seconds" in row else f" {row.get('autotune_error', '')}"), flush=True)
         del weights
         torch.cuda.empty_cache()
-    result = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"gpu": torch.cuda.get_device_name(0)},
-              "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": __import__("triton").__version__},
-              "copy_bytes_per_s": copy["bytes_per_s"], "rows": rows, "seconds": time.time() - started}
+    result["run"].update(copy_bytes_per_s=copy["bytes_per_s"], seconds=time.time() - started)
+    results.add(result, results.MAIN, *rows)
     for tokens in args.tokens:
         by = {r["gemm"]: r for r in rows if r["tokens"] == tokens}
         for fused, parts in (("q_a+kv_a", ("q_a", "kv_a")), ("gate+up", ("gate", "up"))):
@@ -96,11 +87,10 @@ def main(argv=None) -> int:
                     separate = sum(by[g][f"{key}_seconds"] for g in parts)
                     print(f"T {tokens:>3} {key:>9} {fused}: fused {by[fused][f'{key}_seconds'] * 1e6:6.1f} us, "
                           f"separate {separate * 1e6:6.1f} us")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    results.write(result, args.out)
     print(f"wrote {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

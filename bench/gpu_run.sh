@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the benchmarks, each under its own time limit.
+# One device call: GPU tests, then the benchmarks (python -m bench.NAME), each under its own time limit.
 # Usage: bench/gpu_run.sh OUT_DIR [tests|skinny|kernels|decode|lowerings|step|profile|dcp-step]...   (default: tests kernels decode)
 # FlashInfer travels as wheels (README, "On NVIDIA GPUs"): put them in WHEELS (default .whl) to install them here.
 set -u
@@ -17,14 +17,14 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for part in $parts; do
   case $part in
     tests) timeout "${TESTS_S:-240}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider ${TESTS_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -25 ;;
-    skinny) timeout "${SKINNY_S:-300}" python3 bench/skinny_matmul.py --out "$out/skinny_matmul.json" --table "$out/skinny_configs.json" ${SKINNY_ARGS:-} 2>&1 | tee "$out/skinny.log" | grep -v "^  SkinnyConfig" | tail -40
+    skinny) timeout "${SKINNY_S:-300}" python3 -m bench.skinny_matmul --out "$out/skinny_matmul.json" --table "$out/skinny_configs.json" ${SKINNY_ARGS:-} 2>&1 | tee "$out/skinny.log" | grep -v "^  SkinnyConfig" | tail -40
             export DCP_COMPILE_SKINNY_CONFIGS="$out/skinny_configs.json" ;;  # the later parts use the configs just tuned
-    kernels) timeout "${KERNELS_S:-240}" python3 bench/kernels.py --out "$out/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$out/kernels.log" | tail -40 ;;
-    decode) timeout "${DECODE_S:-300}" torchrun --nproc-per-node 2 bench/decode.py --out "$out/decode.json" --plot "$out/decode.png" ${DECODE_ARGS:-} 2>&1 | tee "$out/decode.log" | grep -v "^W1" | tail -60 ;;
-    lowerings) timeout "${LOWERINGS_S:-300}" python3 bench/lowerings.py --out "$out/lowerings.json" ${LOWERINGS_ARGS:-} 2>&1 | tee "$out/lowerings.log" | tail -70 ;;
-    step) timeout "${STEP_S:-420}" torchrun --nproc-per-node 1 bench/step.py --out "$out/step.json" ${STEP_ARGS:-} 2>&1 | tee "$out/step.log" | grep -v "^W1" | tail -40
-          python3 bench/report_step.py "$out/step.json" --plot "$out/step.png" > "$out/step_table.md" 2>&1 ;;
-    profile) timeout "${PROFILE_S:-420}" torchrun --nproc-per-node 1 bench/profile_step.py --out "$out/step_profile.json" ${PROFILE_ARGS:-} 2>&1 | tee "$out/step_profile.log" | grep -v "^W1\|USDT" | tail -80 ;;
-    dcp-step) timeout "${DCP_STEP_S:-420}" torchrun --nproc-per-node 2 bench/dcp_step.py --out "$out/dcp_step.json" ${DCP_STEP_ARGS:-} 2>&1 | tee "$out/dcp_step.log" | grep -v "^W1" | tail -60 ;;
+    kernels) timeout "${KERNELS_S:-240}" python3 -m bench.kernels --out "$out/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$out/kernels.log" | tail -40 ;;
+    decode) timeout "${DECODE_S:-300}" torchrun --nproc-per-node 2 -m bench.decode --out "$out/decode.json" --plot "$out/decode.png" ${DECODE_ARGS:-} 2>&1 | tee "$out/decode.log" | grep -v "^W1" | tail -60 ;;
+    lowerings) timeout "${LOWERINGS_S:-300}" python3 -m bench.lowerings --out "$out/lowerings.json" ${LOWERINGS_ARGS:-} 2>&1 | tee "$out/lowerings.log" | tail -70 ;;
+    step) timeout "${STEP_S:-420}" torchrun --nproc-per-node 1 -m bench.step --out "$out/step.json" ${STEP_ARGS:-} 2>&1 | tee "$out/step.log" | grep -v "^W1" | tail -40
+          python3 -m bench.report "$out/step.json" --plot "$out/step.png" > "$out/step_table.md" 2>&1 ;;
+    profile) timeout "${PROFILE_S:-420}" torchrun --nproc-per-node 1 -m bench.profile_step --out "$out/step_profile.json" ${PROFILE_ARGS:-} 2>&1 | tee "$out/step_profile.log" | grep -v "^W1\|USDT" | tail -80 ;;
+    dcp-step) timeout "${DCP_STEP_S:-420}" torchrun --nproc-per-node 2 -m bench.dcp_step --out "$out/dcp_step.json" ${DCP_STEP_ARGS:-} 2>&1 | tee "$out/dcp_step.log" | grep -v "^W1" | tail -60 ;;
   esac
 done

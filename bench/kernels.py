@@ -1,6 +1,6 @@
 """Triton kernel benchmark on one CUDA GPU, measured against the GPU's own copy bandwidth.
 
-    python bench/kernels.py --out bench/results/kernels.json
+    python -m bench.kernels --out bench/results/kernels.json
 
 Measures, in one run:
   (a) device-to-device copy bandwidth of a ~4 GiB buffer: (bytes read + bytes written) / time;
@@ -21,23 +21,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import json
 import math
-import os
-import platform
-import shlex
-import statistics
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-# Runnable from a checkout where the package is not installed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-RANK_DIM, ROPE_DIM = 512, 64
-ROW_BYTES = (RANK_DIM + ROPE_DIM) * 2  # one bf16 latent cache row
+from bench.lib import result as results
+from bench.lib import tables
+from bench.lib.cases import RANK_DIM, ROPE_DIM, ROW_BYTES
+from bench.lib.timing import copy_bandwidth, require_cuda, time_graph
+
 # Launches of a small case rotate over page tables until the KV they touch spans this many L2s.
 L2_SPANS = 4
 MAX_REPEATS = 32
@@ -62,76 +55,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def require_cuda():
-    """Import torch and triton, or exit with a message that says what is missing."""
-    import torch
-
-    if not torch.cuda.is_available():
-        sys.exit(f"bench/kernels.py needs a CUDA GPU, and torch.cuda.is_available() is False here "
-                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("bench/kernels.py times compiled kernels: unset TRITON_INTERPRET")
-    try:
-        importlib.import_module("triton")
-    except ImportError:
-        sys.exit("bench/kernels.py needs triton: pip install -e '.[triton]'")
-    return torch
-
-
-def time_graph(torch, launch, repeats: int, replays: int) -> float:
-    """Median seconds per launch: `launch(i)` for i < repeats is captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(repeats, 2)):  # compile and allocate outside the capture
-            launch(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(repeats):
-            launch(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    seconds = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        seconds.append(start.elapsed_time(end) / 1e3 / repeats)
-    del graph
-    return statistics.median(seconds)
-
-
-def copy_bandwidth(torch, gib: float, replays: int) -> dict:
-    """Device-to-device copy bandwidth, (bytes read + written) / time: the better of a memcpy and
-    an elementwise copy kernel, each replayed from a CUDA graph after ~1 s of warm-up traffic.
-    On an H200 the memcpy node of a graph moves ~2.8 TB/s and the kernel ~4.3 TB/s; taking the
-    memcpy alone would inflate every fraction measured against it by 1.5x."""
-    elements = int(gib * (1 << 30)) // 2
-    source = torch.empty(elements, dtype=torch.bfloat16, device="cuda").normal_()
-    target = torch.empty_like(source)
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        torch.mul(source, 1.0, out=target)
-        torch.cuda.synchronize()
-    moved = 2 * source.numel() * source.element_size()
-    ways = {"memcpy": lambda i: target.copy_(source), "kernel": lambda i: torch.mul(source, 1.0, out=target)}
-    seconds = {name: time_graph(torch, fn, 1, max(5, replays // 2)) for name, fn in ways.items()}
-    best = min(seconds.values())
-    return {"buffer_bytes": moved // 2, "seconds": best, "bytes_per_s": moved / best,
-            **{f"{name}_bytes_per_s": moved / t for name, t in seconds.items()}}
-
-
 class AttentionBench:
     """One KV pool for every case; each launch gets its own page tables of random rows."""
 
-    def __init__(self, torch, max_rows: int, l2_bytes: int, replays: int):
+    def __init__(self, max_rows: int, l2_bytes: int, replays: int):
         from dcp_compile.lowering.triton import attention
 
-        self.torch, self.attention, self.replays = torch, attention, replays
+        self.attention, self.replays = attention, replays
         self.l2_bytes = l2_bytes
         self.pool = torch.empty(max_rows, RANK_DIM + ROPE_DIM, dtype=torch.bfloat16, device="cuda").normal_()
         self.generator = torch.Generator(device="cuda").manual_seed(0)
@@ -140,23 +70,22 @@ class AttentionBench:
         return max(1, min(MAX_REPEATS, math.ceil(L2_SPANS * self.l2_bytes / kv_bytes)))
 
     def inputs(self, heads: int, context: int, batch: int, repeats: int):
-        torch = self.torch
-        tables = [torch.randperm(self.pool.shape[0], generator=self.generator, device="cuda")[:batch * context]
-                  .view(batch, context).to(torch.int32) for _ in range(repeats)]
+        page_tables = [torch.randperm(self.pool.shape[0], generator=self.generator, device="cuda")[:batch * context]
+                       .view(batch, context).to(torch.int32) for _ in range(repeats)]
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         positions = torch.arange(context, dtype=torch.int32, device="cuda").repeat(batch, 1)
         gathered = torch.randn(batch, heads, RANK_DIM + ROPE_DIM, generator=self.generator, device="cuda").to(torch.bfloat16)
         q_ids = torch.arange(batch, device="cuda")
         q_positions = torch.full((batch,), context - 1, device="cuda")
-        return tables, seq_lens, positions, gathered[..., :RANK_DIM], gathered[..., RANK_DIM:], q_ids, q_positions
+        return page_tables, seq_lens, positions, gathered[..., :RANK_DIM], gathered[..., RANK_DIM:], q_ids, q_positions
 
     def measure(self, heads: int, context: int, batch: int, tiling=None) -> dict:
-        torch, attention = self.torch, self.attention
+        attention = self.attention
         from dcp_compile.lowering.triton.attention_tiling import choose_tiling
 
         kv_bytes = batch * context * ROW_BYTES
         repeats = self.repeats(kv_bytes)
-        tables, seq_lens, positions, q_latent, q_rope, q_ids, q_positions = self.inputs(heads, context, batch, repeats)
+        page_tables, seq_lens, positions, q_latent, q_rope, q_ids, q_positions = self.inputs(heads, context, batch, repeats)
         tiling = tiling or choose_tiling(batch, heads, context, torch.device("cuda"), torch.bfloat16)
         out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device="cuda")
         lse = torch.empty(q_latent.shape[:2], device="cuda")
@@ -164,10 +93,10 @@ class AttentionBench:
         scale = 1 / math.sqrt(RANK_DIM + ROPE_DIM)
 
         def launch(i):
-            attention.partial_attention_into(q_latent, q_rope, self.pool, tables[i], seq_lens, positions, q_ids,
+            attention.partial_attention_into(q_latent, q_rope, self.pool, page_tables[i], seq_lens, positions, q_ids,
                                              q_positions, scale, out, lse, tiling=tiling, workspace=workspace)
 
-        seconds = time_graph(torch, launch, repeats, self.replays)
+        seconds = time_graph(launch, repeats, self.replays)
         return {"heads": heads, "context": context, "batch": batch, "seconds": seconds, "kv_bytes": kv_bytes,
                 "kv_bytes_per_s": kv_bytes / seconds, "repeats_per_graph": repeats,
                 "tiling": dataclasses.asdict(tiling)}
@@ -177,7 +106,7 @@ def sweep_tilings(bench: AttentionBench, heads_list, context: int, batches, defa
     """A few tilings around the default at the longest context, while time remains."""
     from dcp_compile.lowering.triton.attention_tiling import AttentionTiling
 
-    results = []
+    measured = []
     for heads in [h for h in heads_list if h >= 32]:
         for batch in [b for b in batches if 4 <= b <= 16]:
             base = default_for(heads, context, batch)
@@ -191,16 +120,16 @@ def sweep_tilings(bench: AttentionBench, heads_list, context: int, batches, defa
                 variants.append(AttentionTiling(base.num_splits, 32, 64, 8, 3))
             for tiling in variants:
                 if time.monotonic() > deadline:
-                    return results
+                    return measured
                 try:
-                    results.append(bench.measure(heads, context, batch, tiling))
+                    measured.append(bench.measure(heads, context, batch, tiling))
                 except Exception as error:  # a tiling past the shared-memory or register limit
-                    results.append({"heads": heads, "context": context, "batch": batch,
+                    measured.append({"heads": heads, "context": context, "batch": batch,
                                     "tiling": dataclasses.asdict(tiling), "error": f"{type(error).__name__}: {error}"[:300]})
-    return results
+    return measured
 
 
-def pack_merge(torch, replays: int, batch=64, heads=32, dcp_size=2) -> dict:
+def pack_merge(replays: int, batch=64, heads=32, dcp_size=2) -> dict:
     from dcp_compile.ops import reference
     from dcp_compile.lowering.triton import merge, pack
 
@@ -210,64 +139,38 @@ def pack_merge(torch, replays: int, batch=64, heads=32, dcp_size=2) -> dict:
     packed = torch.empty(dcp_size, batch, heads, RANK_DIM + 2, dtype=torch.bfloat16, device="cuda")
     merged = torch.empty(batch, heads, RANK_DIM, dtype=torch.bfloat16, device="cuda")
     repeats = MAX_REPEATS
-    pack_s = time_graph(torch, lambda i: pack.pack_partials_into(out, lse, dcp_size, packed), repeats, replays)
-    merge_s = time_graph(torch, lambda i: merge.merge_partials_into(packed, RANK_DIM, merged), repeats, replays)
+    pack_s = time_graph(lambda i: pack.pack_partials_into(out, lse, dcp_size, packed), repeats, replays)
+    merge_s = time_graph(lambda i: merge.merge_partials_into(packed, RANK_DIM, merged), repeats, replays)
 
     def both(i):
         pack.pack_partials_into(out, lse, dcp_size, packed)
         merge.merge_partials_into(packed, RANK_DIM, merged)
 
-    both_s = time_graph(torch, both, repeats, replays)
-    reference_s = time_graph(torch, lambda i: reference.merge_partials(reference.pack_partials(out, lse, dcp_size), RANK_DIM),
+    both_s = time_graph(both, repeats, replays)
+    reference_s = time_graph(lambda i: reference.merge_partials(reference.pack_partials(out, lse, dcp_size), RANK_DIM),
                              repeats, replays)
     return {"batch": batch, "heads_per_rank": heads, "dcp_size": dcp_size, "pack_us": pack_s * 1e6,
             "merge_us": merge_s * 1e6, "pack_merge_us": both_s * 1e6, "torch_reference_pack_merge_us": reference_s * 1e6,
             "target_us": TARGET_PACK_MERGE_US, "met": both_s * 1e6 <= TARGET_PACK_MERGE_US}
 
 
-def metadata_build(torch, replays: int, batch=64, context=131072, dcp_size=2) -> dict:
+def metadata_build(replays: int, batch=64, context=131072, dcp_size=2) -> dict:
     """Local metadata for one decode step: built once per graph and shared by every layer."""
     from dcp_compile.lowering.triton import metadata_builder
 
     table = torch.randperm(batch * context * dcp_size, device="cuda")[:batch * context].view(batch, context).to(torch.int32) + 1
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     outputs = (torch.empty_like(table), torch.empty_like(seq_lens), torch.empty_like(table))
-    seconds = time_graph(torch, lambda i: metadata_builder.local_metadata_into(table, seq_lens, 0, dcp_size, 1, *outputs),
+    seconds = time_graph(lambda i: metadata_builder.local_metadata_into(table, seq_lens, 0, dcp_size, 1, *outputs),
                          4, replays)
     return {"batch": batch, "context": context, "dcp_size": dcp_size, "us": seconds * 1e6}
 
 
-def print_table(result: dict) -> None:
-    copy = result["copy"]["bytes_per_s"]
-    print(f"\n{result['gpu']}: device-to-device copy {copy / 1e12:.2f} TB/s (read + write)")
-    print(f"{'heads':>5} {'context':>8} {'batch':>5} {'splits':>6} {'time us':>9} {'KV TB/s':>8} {'of copy':>8}")
-    for row in result["attention"]:
-        if "seconds" not in row:
-            print(f"{row['heads']:>5} {row['context']:>8} {row['batch']:>5}  {row.get('error', row.get('skipped'))}")
-            continue
-        print(f"{row['heads']:>5} {row['context']:>8} {row['batch']:>5} {row['tiling']['num_splits']:>6} "
-              f"{row['seconds'] * 1e6:>9.1f} {row['kv_bytes_per_s'] / 1e12:>8.2f} {row['fraction_of_copy']:>8.1%}")
-    if result.get("sweep"):
-        print("\ntiling sweep (context {}):".format(result["sweep"][0]["context"]))
-        for row in result["sweep"]:
-            figure = f"{row['fraction_of_copy']:.1%} of copy" if "seconds" in row else row["error"]
-            print(f"  heads {row['heads']:>3} batch {row['batch']:>3} {row['tiling']}: {figure}")
-    pm = result.get("pack_merge")
-    if pm and "pack_merge_us" in pm:
-        print(f"\npack + merge (batch {pm['batch']}, {pm['heads_per_rank']} heads/rank, N={pm['dcp_size']}): "
-              f"{pm['pack_merge_us']:.1f} us (pack {pm['pack_us']:.1f}, merge {pm['merge_us']:.1f}; "
-              f"torch reference {pm['torch_reference_pack_merge_us']:.1f}); target <= {TARGET_PACK_MERGE_US} us")
-    md = result.get("local_metadata")
-    if md:
-        print(f"local metadata (batch {md['batch']}, context {md['context']}, N={md['dcp_size']}): {md['us']:.1f} us")
-    for line in result["targets"]:
-        print(line)
-
-
 def summarise_targets(result: dict) -> list[str]:
     lines = []
-    longest = max((row["context"] for row in result["attention"]), default=0)
-    for row in result["attention"]:
+    attention = results.rows(result, "attention")
+    longest = max((row["context"] for row in attention), default=0)
+    for row in attention:
         if "seconds" in row and row["context"] == longest and row["batch"] >= 4 and row["heads"] in (32, 64):
             met = row["fraction_of_copy"] >= TARGET_FRACTION_OF_COPY
             lines.append(f"target KV >= {TARGET_FRACTION_OF_COPY:.0%} of copy, heads {row['heads']}, context {longest}, "
@@ -277,32 +180,23 @@ def summarise_targets(result: dict) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch = require_cuda()
-    import triton
-
+    require_cuda("bench.kernels")
     started = time.monotonic()
-    properties = torch.cuda.get_device_properties(0)
-    result = {
-        "gpu": torch.cuda.get_device_name(0), "sm_count": properties.multi_processor_count,
-        "l2_bytes": getattr(properties, "L2_cache_size", 50 << 20), "torch": torch.__version__,
-        "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "command": shlex.join([os.path.basename(sys.executable)] + sys.argv),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "method": "median over CUDA-graph replays; small cases rotate page tables across >= 4 L2 sizes of KV",
-        "attention": [], "sweep": [],
-    }
+    result = results.start("kernels", argv, torch.device("cuda", 0))
+    result["run"]["method"] = "median over CUDA-graph replays; small cases rotate page tables across >= 4 L2 sizes of KV"
+    run = result["run"]
     try:
-        result["copy"] = copy_bandwidth(torch, args.copy_gib, args.replays)
+        run["copy"] = copy_bandwidth(args.copy_gib, args.replays)
         torch.cuda.empty_cache()  # the copy buffers are gone; the KV pool needs the room
-        copy = result["copy"]["bytes_per_s"]
+        copy = run["copy"]["bytes_per_s"]
         max_rows = max(args.batches) * max(args.contexts)
-        bench = AttentionBench(torch, max_rows, result["l2_bytes"], args.replays)
+        bench = AttentionBench(max_rows, result["machine"]["l2_bytes"] or 50 << 20, args.replays)
         for heads in args.heads:
             for context in args.contexts:
                 for batch in args.batches:
                     if time.monotonic() - started > args.budget_s:
-                        result["attention"].append({"heads": heads, "context": context, "batch": batch,
-                                                    "skipped": "time budget"})
+                        results.add(result, "attention", {"heads": heads, "context": context, "batch": batch,
+                                                          "skipped": "time budget"})
                         continue
                     try:
                         row = bench.measure(heads, context, batch)
@@ -310,33 +204,32 @@ def main(argv=None) -> int:
                     except Exception as error:
                         row = {"heads": heads, "context": context, "batch": batch,
                                "error": f"{type(error).__name__}: {error}"[:300]}
-                    result["attention"].append(row)
+                    results.add(result, "attention", row)
         from dcp_compile.lowering.triton.attention_tiling import choose_tiling
 
-        result["sweep"] = sweep_tilings(
+        sweep = sweep_tilings(
             bench, args.heads, max(args.contexts), args.batches,
             lambda h, c, b: choose_tiling(b, h, c, torch.device("cuda"), torch.bfloat16),
             time.monotonic() + args.sweep_budget_s)
-        for row in result["sweep"]:
+        for row in sweep:
             if "seconds" in row:
                 row["fraction_of_copy"] = row["kv_bytes_per_s"] / copy
+        results.add(result, "sweep", *sweep)
         del bench
         torch.cuda.empty_cache()
-        result["pack_merge"] = pack_merge(torch, args.replays)
-        result["local_metadata"] = metadata_build(torch, args.replays)
+        run["pack_merge"] = pack_merge(args.replays)
+        run["local_metadata"] = metadata_build(args.replays)
     except Exception as error:
-        result["error"] = f"{type(error).__name__}: {error}"
+        run["error"] = f"{type(error).__name__}: {error}"
         raise
     finally:
-        result["targets"] = summarise_targets(result) if "copy" in result else []
-        result["wall_s"] = time.monotonic() - started
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-    print_table(result)
-    print(f"\nwrote {args.out} in {result['wall_s']:.0f} s")
+        run["targets"] = summarise_targets(result) if "copy" in run else []
+        run["wall_s"] = time.monotonic() - started
+        results.write(result, args.out)
+    print("\n".join(tables.lines(result)))
+    print(f"\nwrote {args.out} in {run['wall_s']:.0f} s")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

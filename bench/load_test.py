@@ -8,31 +8,27 @@ logits are compared (fp32: within 1e-5, greedy tokens equal; the DCP model is fe
 baseline's tokens). Each rank's resident memory is sampled every step; after `--warmup` steps
 it must stay flat (the growth is reported, and a least-squares slope per 100 steps).
 
-    python bench/load_test.py                        # 400 steps, writes bench/results/load_test_cpu.json
-    python bench/load_test.py --steps 60 --no-save   # quick
+    python -m bench.load_test                        # 400 steps, writes bench/results/load_test_cpu.json
+    python -m bench.load_test --steps 60 --no-save   # quick
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
 import dcp_compile
+from bench.lib import result as results
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import parallel
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.launch import spawn
 
-RESULTS = Path(__file__).parent / "results" / "load_test_cpu.json"
 TOLERANCE = 1e-5
 MAX_REQUESTS, MAX_CONTEXT, KV_ROWS = 8, 512, 8192
 
@@ -152,17 +148,15 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=100, help="steps before memory must stay flat")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-growth-mib", type=float, default=32.0)
+    parser.add_argument("--out", default="bench/results/load_test_cpu.json")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
     ranks = spawn(run_on_rank, 2, args.steps, args.warmup, args.seed, timeout=300)
     ok = all(r["mismatches"] == 0 and r["argmax_flips"] == 0 and r["memory_mib"]["growth_after_warmup"] <= args.max_growth_mib
              for r in ranks)
-    result = {
-        "benchmark": "load_test", "command": " ".join([sys.executable, *sys.argv]), "machine": platform.node(),
-        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-        "steps": args.steps, "warmup": args.warmup, "seed": args.seed, "tolerance": TOLERANCE, "passed": ok,
-        "ranks": ranks,
-    }
+    result = results.start("load_test", argv)
+    result["run"].update(steps=args.steps, warmup=args.warmup, seed=args.seed, tolerance=TOLERANCE, passed=ok)
+    results.add(result, "ranks", *ranks)
     for r in ranks:
         mem = r["memory_mib"]
         print(f"rank {r['rank']}: {r['forwards']} forwards ({r['steps']}), {r['mismatches']} mismatches, "
@@ -172,9 +166,9 @@ def main(argv=None) -> int:
               f"{r['seconds']:.0f} s")
     print("PASS" if ok else "FAIL")
     if not args.no_save:
-        RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+        results.write(result, args.out)
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,9 +1,9 @@
 """What only Ascend hardware can settle: each fact the NPU lowering relies on, checked on the real
 ops against the torch reference, one by one, with the measured values.
 
-    python bench/npu_facts.py --json --out npu_facts.json          # on an Ascend NPU (torch_npu, CANN)
-    python bench/npu_facts.py --standin --json                     # the stand-ins, on the emulated npu device
-    python bench/npu_facts.py --standin --plant empty-shard-lse    # a stand-in departs from one fact: FAIL, exit 1
+    python -m bench.npu_facts --json --out npu_facts.json          # on an Ascend NPU (torch_npu, CANN)
+    python -m bench.npu_facts --standin --json                     # the stand-ins, on the emulated npu device
+    python -m bench.npu_facts --standin --plant empty-shard-lse    # a stand-in departs from one fact: FAIL, exit 1
 
 It prints a table of PASS, FAIL or SKIP per fact and, with --json, ends with one JSON line (also
 written to --out). The exit status is 1 when any fact FAILs. Every check compares the op with
@@ -20,20 +20,16 @@ import argparse
 import json
 import math
 import os
-import platform
-import shlex
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from dcp_compile.ops import reference  # noqa: E402
+from bench.lib import result as results
+from bench.lib import tables
+from dcp_compile.ops import reference
 
 HEADS, LATENT, ROPE = 8, 512, 64
 SCALE = 1.0 / math.sqrt(LATENT + ROPE)
@@ -582,7 +578,7 @@ def setup(args) -> torch.device:
             os.environ[standin.PLANT_ENV] = args.plant
     elif not devices.torch_npu_installed():
         raise SystemExit("this probe checks real Ascend ops: install torch_npu on an NPU machine, or run --standin")
-    devices.require_torch_npu("bench/npu_facts.py")
+    devices.require_torch_npu("bench.npu_facts")
     import dcp_compile.lowering.npu as npu_lowering
 
     npu_lowering.ensure_ops()
@@ -590,9 +586,9 @@ def setup(args) -> torch.device:
     return torch.device("npu", 0)
 
 
-def run(args) -> dict:
+def run(args, argv=None) -> dict:
+    result = results.start("npu_facts", argv)
     device = setup(args)
-    facts = []
     for name, relies, check in FACTS:
         if name not in args.only:
             continue
@@ -603,57 +599,24 @@ def run(args) -> dict:
             first_line = str(exc).splitlines()[0][:300] if str(exc) else ""
             fact.status, fact.detail = "FAIL", f"{type(exc).__name__}: {first_line}"
             fact.measured["traceback"] = traceback.format_exc(limit=4)[-1200:]
-        facts.append(fact)
-    import importlib.metadata as metadata
-
-    def version(package):
-        try:
-            return metadata.version(package)
-        except metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "mode": "standin" if args.standin else "hardware",
-        "plant": args.plant,
-        "machine": {"host": platform.node(), "platform": platform.platform(), "npus": torch.npu.device_count()},
-        "versions": {"torch": torch.__version__, "torch_npu": version("torch_npu"), "torchair": version("torchair"),
-                     "cann": os.environ.get("ASCEND_TOOLKIT_VERSION") or os.environ.get("ASCEND_HOME_PATH")},
-        "facts": [asdict(f) for f in facts],
-        "passed": sum(f.status == "PASS" for f in facts),
-        "failed": sum(f.status == "FAIL" for f in facts),
-        "skipped": sum(f.status == "SKIP" for f in facts),
-    }
-
-
-def _show(result: dict, stream) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=f"npu_facts ({result['mode']}{', plant ' + result['plant'] if result['plant'] else ''})")
-    for column in ("fact", "result", "measured"):
-        table.add_column(column)
-    for fact in result["facts"]:
-        measured = {k: v for k, v in fact["measured"].items() if k != "traceback"}
-        text = ", ".join(f"{k}={v}" for k, v in measured.items()) or fact["detail"]
-        if fact["detail"] and measured:
-            text += f" ({fact['detail']})"
-        table.add_row(fact["name"], fact["status"], escape(text))
-    Console(file=stream, width=160).print(table)
+        results.add(result, "facts", asdict(fact))
+    result["machine"]["npus"] = torch.npu.device_count()
+    statuses = [fact["status"] for fact in results.rows(result, "facts")]
+    result["run"].update(mode="standin" if args.standin else "hardware", plant=args.plant,
+                         passed=statuses.count("PASS"), failed=statuses.count("FAIL"), skipped=statuses.count("SKIP"))
+    return result
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = run(args)
-    _show(result, sys.stderr if args.json else sys.stdout)
+    result = run(args, argv)
+    print("\n".join(tables.npu_facts(result)), file=sys.stderr if args.json else sys.stdout)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        results.write(result, args.out)
     if args.json:
         print(json.dumps(result, default=str))
-    return 1 if result["failed"] else 0
+    return 1 if result["run"]["failed"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

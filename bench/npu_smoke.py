@@ -1,8 +1,8 @@
 """Ascend smoke benchmark, for anyone with an Ascend machine: is DCP right there, and how fast is
 one decode attention layer with NPU graphs.
 
-    torchrun --nproc-per-node 2 bench/npu_smoke.py --out bench/results/npu_smoke.json   # 2 NPUs, HCCL
-    python bench/npu_smoke.py --standin --out /tmp/npu_smoke.json                      # emulated NPU, stand-ins
+    torchrun --nproc-per-node 2 -m bench.npu_smoke --out bench/results/npu_smoke.json   # 2 NPUs, HCCL
+    python -m bench.npu_smoke --standin --out /tmp/npu_smoke.json                      # emulated NPU, stand-ins
 
 On NPUs (torch_npu, CANN >= 8.5):
   - correctness: DCP = 2 against DCP = 1 under the NPU lowering (FIA + npu_attention_update),
@@ -13,8 +13,8 @@ On NPUs (torch_npu, CANN >= 8.5):
   - both for each of --combos, the lowering's A5 options side by side (KV format nd|nz, FIA
     version 1|2, verify split|mask; docs/ascend.md §15): correctness of verify k = 7 per
     combination, the decode layer's time per (format, version).
-It writes the JSON schema of bench/decode.py (command, date, machine, versions, shapes,
-attention_layer rows), plus the correctness verdicts.
+Its result (bench.lib.result's schema) holds the shapes, an attention_layer row per timed case
+(the part bench.decode writes) and a correctness row per verdict.
 `--standin` runs the same script on 2 ranks of the emulated NPU (dcp_compile/testing/npu_emulator:
 DCP_COMPILE_NPU_EMULATOR=1, HCCL over gloo, NPU graphs that record and replay) against the
 stand-ins, at tiny contexts, to check the script itself; CI runs it. Its times say nothing about
@@ -24,30 +24,22 @@ Ascend.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shlex
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import dcp_compile  # noqa: E402
-from dcp_compile.harness import scenario as scenarios  # noqa: E402
-from dcp_compile.runtime import devices, parallel  # noqa: E402
-from dcp_compile.runtime.batch import RequestTable  # noqa: E402
-from dcp_compile.runtime.graph_runner import NPUGraphs  # noqa: E402
-from dcp_compile.runtime.launch import init_from_env, spawn  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import AttentionLayer, slowest  # noqa: E402
+import dcp_compile
+from bench.lib import result as results
+from bench.lib.cases import AttentionLayer
+from bench.lib.timing import slowest
+from dcp_compile.harness import scenario as scenarios
+from dcp_compile.runtime import devices, parallel
+from dcp_compile.runtime.batch import RequestTable
+from dcp_compile.runtime.graph_runner import NPUGraphs
+from dcp_compile.runtime.launch import init_from_env, spawn
 
 CORRECTNESS = [  # Scenario arguments: made on the ranks, where the npu device is there (on device="npu")
     dict(mode="decode", dcp_size=2, tp_size=2, batch=5, contexts=(1, 3, 130, 300, 17), steps=8,
@@ -184,21 +176,15 @@ def run(rank: int, world: int, args) -> dict:
     device = torch.device("npu", torch.npu.current_device())
     started = time.time()
     tp = parallel.build(2, 1)
-    result = {
-        "command": ("python " if args.standin else "torchrun --nproc-per-node 2 ") + " ".join(shlex.quote(a) for a in sys.argv),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(),
-                    "device": "emulated npu (stand-ins)" if args.standin else torch.npu.get_device_name(device),
-                    "ranks": world},
-        "versions": {"torch": torch.__version__,
-                     "torch_npu": None if args.standin else __import__("torch_npu").__version__},
-        "shapes": {"heads_total": args.heads, "tp_size": 2, "kv_lora_rank": 512, "rope_dim": 64, "dtype": "torch.bfloat16",
-                   "block_size": args.block_size},
-        "correctness": correctness(rank, world, "npu", args.combos, args.standin),
-        "attention_layer": [row for layout in _layouts(args) for n in (1, 2)
-                            for row in bench_attention_layer(args, n, device, tp, layout)],
-    }
-    result["seconds"] = time.time() - started
+    result = results.start("npu_smoke")
+    result["machine"].update(device="emulated npu (stand-ins)" if args.standin else torch.npu.get_device_name(device),
+                             ranks=world)
+    result["run"]["shapes"] = {"heads_total": args.heads, "tp_size": 2, "kv_lora_rank": 512, "rope_dim": 64,
+                               "dtype": "torch.bfloat16", "block_size": args.block_size}
+    results.add(result, "correctness", *correctness(rank, world, "npu", args.combos, args.standin))
+    results.add(result, "attention_layer", *[row for layout in _layouts(args) for n in (1, 2)
+                                             for row in bench_attention_layer(args, n, device, tp, layout)])
+    result["run"]["seconds"] = time.time() - started
     return result
 
 
@@ -223,22 +209,23 @@ def main(argv=None) -> int:
     else:
         rank, world = init_from_env("hccl")
         if world != 2:
-            raise SystemExit(f"bench/npu_smoke.py runs on 2 ranks (torchrun --nproc-per-node 2), got {world}")
+            raise SystemExit(f"bench.npu_smoke runs on 2 ranks (torchrun --nproc-per-node 2 -m bench.npu_smoke), "
+                             f"got {world}")
         result = run(rank, world, args)
         dist.destroy_process_group()
         if rank != 0:
             return 0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    for verdict in result["correctness"]:
+    results.write(result, args.out)
+    verdicts = results.rows(result, "correctness")
+    for verdict in verdicts:
         print(f"{verdict['mode']:>6}: tokens_match {verdict['tokens_match']}, outputs_match {verdict['outputs_match']} "
               f"(max abs diff {verdict['max_abs_diff']:.3g} / {verdict['tolerance']:.3g})")
-    for row in result["attention_layer"]:
+    for row in results.rows(result, "attention_layer"):
         print(f"DCP {row['dcp_size']}  context {row['context']:>6}  batch {row['batch']:>3}: "
               f"{row['step_seconds'] * 1e6:9.1f} us ({'graph' if row['graph'] else 'eager'})")
-    ok = all(v["tokens_match"] and v["outputs_match"] and v["finite"] for v in result["correctness"])
+    ok = all(v["tokens_match"] and v["outputs_match"] and v["finite"] for v in verdicts)
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

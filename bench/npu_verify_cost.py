@@ -1,6 +1,6 @@
 """What each NPU verify scheme costs beyond FIA itself, at 128k context x batch 64 x k = 16, DCP 2.
 
-    DCP_COMPILE_NPU_EMULATOR=1 python bench/npu_verify_cost.py --out bench/results/npu_verify_cost.json
+    DCP_COMPILE_NPU_EMULATOR=1 python -m bench.npu_verify_cost --out bench/results/npu_verify_cost.json
 
 Memory is measured on the emulated npu device: the ops each scheme adds run at full size there
 (the body of dcp.rank_causal_mask for 'mask'; dcp.window_attention's torch reference for 'split',
@@ -13,21 +13,15 @@ Kimi-K2 shapes: 64 heads in all at TP = DCP = 2 (FIA runs the 64 gathered heads)
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shlex
-import sys
-from datetime import datetime, timezone
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
-
-from dcp_compile.runtime import devices  # noqa: E402
+from bench.lib import result as results
+from bench.lib.roofline import attention_flops
+from dcp_compile.runtime import devices
 
 
 class Allocations(TorchDispatchMode):
@@ -61,7 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=61)
     args = p.parse_args(argv)
     os.environ.setdefault(devices.EMULATOR_ENV, "1")
-    devices.require_torch_npu("bench/npu_verify_cost.py")
+    devices.require_torch_npu("bench.npu_verify_cost")
     import dcp_compile.ops.targets  # noqa: F401 - registers dcp::
     from dcp_compile.ops import reference
 
@@ -96,14 +90,11 @@ def main(argv=None) -> int:
                                               key_positions, q_seq_ids, q_positions, 1.0, window, rope)
     split_kept = nbytes(out, lse)
 
-    head_flops = 2 * (rank_dim + rope_dim + rank_dim)  # QK over R + P, then PV over R, per key
-    fia_flops = tokens * args.heads * local * head_flops  # every query over every local key (masked or before)
+    fia_flops = attention_flops(args.heads, tokens * local, rank_dim, rope_dim)  # every query over every local key
     window_keys = -(-args.k // args.dcp_size)
-    result = {
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "device": "emulated npu (host memory)"},
-        "versions": {"torch": torch.__version__},
+    result = results.start("npu_verify_cost", argv)
+    result["machine"]["device"] = "emulated npu (host memory)"
+    result["run"].update({
         "shapes": {"context": args.context, "batch": args.batch, "k": args.k, "dcp_size": args.dcp_size,
                    "heads": args.heads, "kv_lora_rank": rank_dim, "rope_dim": rope_dim, "block_size": block,
                    "local_keys_per_row": local, "mask_width": width, "layers": args.layers},
@@ -116,25 +107,24 @@ def main(argv=None) -> int:
         "split": {
             "kept_bytes_per_layer": split_kept,
             "allocated_bytes_per_layer_by_the_torch_reference": split_alloc.bytes,
-            "flops_per_layer": fia_flops - tokens * args.heads * window_keys * head_flops
-                               + tokens * args.heads * window * head_flops,
+            "flops_per_layer": attention_flops(args.heads, tokens * (local - window_keys + window), rank_dim, rope_dim),
             "window_flops_fraction": window / local,
             "note": "FIA over the keys before each row's first query, plus the window kernel's out and lse per layer "
                     "(the Triton kernel, which the NPU lowering runs, allocates only those; the torch reference's "
                     "temporaries are shown apart)",
         },
         "kv_read_bytes_per_layer": args.batch * local * (rank_dim + rope_dim) * 2,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    })
+    results.write(result, args.out)
+    run = result["run"]
     mib = 2 ** 20
     print(f"mask : {mask_kept / mib:.1f} MiB kept ({mask_alloc.bytes / mib:.1f} MiB allocated) per step; FIA reads it "
           f"in each of {args.layers} layers: {nbytes(mask) * args.layers / 2**30:.2f} GiB a step")
     print(f"split: {split_kept / mib:.1f} MiB of window output per layer (reused; the torch reference allocates "
           f"{split_alloc.bytes / mib:.0f} MiB of temporaries the Triton kernel does not)")
-    print(f"FLOPs per layer: mask {result['mask']['flops_per_layer'] / 1e12:.3f} T, split "
-          f"{result['split']['flops_per_layer'] / 1e12:.3f} T; KV read per layer "
-          f"{result['kv_read_bytes_per_layer'] / 2**30:.2f} GiB")
+    print(f"FLOPs per layer: mask {run['mask']['flops_per_layer'] / 1e12:.3f} T, split "
+          f"{run['split']['flops_per_layer'] / 1e12:.3f} T; KV read per layer "
+          f"{run['kv_read_bytes_per_layer'] / 2**30:.2f} GiB")
     return 0
 
 

@@ -9,8 +9,8 @@ recompiles), the median of each pass, nodes before and after, and MLA sites rewr
 Goal: under 1 s for all passes at 61 layers, and linear in the number of layers (a least-squares
 line through the layer counts, with its R^2, and the cost per layer at each size).
 
-    python bench/pass_pipeline.py                     # 8, 16, 32, 61 layers at DCP 2 and 8
-    python bench/pass_pipeline.py --profile           # also: where the time goes at 61 layers
+    python -m bench.pass_pipeline                     # 8, 16, 32, 61 layers at DCP 2 and 8
+    python -m bench.pass_pipeline --profile           # also: where the time goes at 61 layers
 """
 
 from __future__ import annotations
@@ -20,19 +20,16 @@ import copy
 import cProfile
 import gc
 import io
-import json
 import os
-import platform
 import pstats
 import statistics
-import sys
 import time
 from pathlib import Path
 
-import torch
 from rich.console import Console
-from rich.table import Table
 
+from bench.lib import result as results
+from bench.lib import tables
 from dcp_compile.debug.fake_capture import GraphSpec, capture
 from dcp_compile.passes.manager import PassManager
 
@@ -103,7 +100,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     console = Console(width=max(Console().width, 120))
-    load_before = os.getloadavg()
+    result = results.start("pass_pipeline", argv)
+    result["machine"]["load_average_1_5_15_before"] = [round(v, 2) for v in os.getloadavg()]
     rows = []
     for dcp in args.dcp:
         for layers in args.layers:
@@ -117,52 +115,25 @@ def main(argv=None) -> int:
             if args.profile and dcp == args.dcp[-1] and layers == max(args.layers):
                 console.print(profile_top(captured.gm, spec))
             del captured
+    result["machine"]["load_average_1_5_15_after"] = [round(v, 2) for v in os.getloadavg()]
     fits = {str(dcp): linear_fit([(r["layers"], r["median_ms"]) for r in rows if r["dcp_size"] == dcp])
             for dcp in args.dcp}
-
-    table = Table(title=f"pass pipeline, {args.model} decode graph (batch {args.batch}), median of {args.repeats}")
-    for column in ("DCP x TP", "layers", "nodes before -> after", "MLA sites", "all passes ms", "ms / layer",
-                   "verify ms", "gather_q_attention ms", "capture s"):
-        table.add_column(column, justify="right")
-    for r in rows:
-        table.add_row(f"{r['dcp_size']} x {r['tp_size']}", str(r["layers"]), f"{r['nodes_before']} -> {r['nodes_after']}",
-                      str(r["mla_sites_rewritten"]), f"{r['median_ms']:.0f}", f"{r['median_ms'] / r['layers']:.1f}",
-                      f"{r['pass_median_ms'].get('verify', 0):.0f}", f"{r['pass_median_ms'].get('gather_q_attention', 0):.0f}",
-                      f"{r['capture_seconds']:.1f}")
-    console.print(table)
     largest = max(args.layers)
     goal = {}
     for dcp in args.dcp:
         at_largest = next(r for r in rows if r["dcp_size"] == dcp and r["layers"] == largest)
         goal[str(dcp)] = {"layers": largest, "median_ms": round(at_largest["median_ms"], 1),
                           "under_1s": at_largest["median_ms"] < GOAL_SECONDS * 1e3}
-        fit = fits[str(dcp)]
-        console.print(f"DCP {dcp}: {largest} layers in {at_largest['median_ms']:.0f} ms "
-                      f"({'meets' if goal[str(dcp)]['under_1s'] else 'MISSES'} the < 1 s goal); linear fit "
-                      f"{fit['ms_per_layer']:.2f} ms/layer + {fit['intercept_ms']:.0f} ms, R^2 = {fit['r_squared']:.3f}")
-
-    result = {
-        "benchmark": "pass_pipeline",
-        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                    "load_average_1_5_15_before": [round(v, 2) for v in load_before],
-                    "load_average_1_5_15_after": [round(v, 2) for v in os.getloadavg()]},
-        "torch": torch.__version__,
-        "model": args.model,
-        "mode": "decode",
-        "batch": args.batch,
-        "repeats": args.repeats,
-        "metric": "wall time of PassManager.run over the default pipeline on a fresh copy of the graph",
-        "goal": {"seconds": GOAL_SECONDS, "per_dcp": goal},
-        "linear_fit": fits,
-        "rows": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()} for r in rows],
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    result["run"].update(model=args.model, mode="decode", batch=args.batch, repeats=args.repeats,
+                         metric="wall time of PassManager.run over the default pipeline on a fresh copy of the graph",
+                         goal={"seconds": GOAL_SECONDS, "per_dcp": goal}, linear_fit=fits)
+    results.add(result, results.MAIN, *[{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}
+                                        for r in rows])
+    print("\n".join(tables.pass_pipeline(result)))
+    results.write(result, args.out)
     console.print(f"wrote {args.out}")
     return 0 if all(g["under_1s"] for g in goal.values()) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,15 +1,15 @@
-"""Where the whole step's time goes: a per-kernel profile of bench/step.py's 61-layer stack on one GPU.
+"""Where the whole step's time goes: a per-kernel profile of bench.step's 61-layer stack on one GPU.
 
-    torchrun --nproc-per-node 1 bench/profile_step.py --out bench/results/step_profile_h200.json
-    python bench/profile_step.py --smoke --out /tmp/profile.json      # CPU, 2 tiny layers: checks the script
+    torchrun --nproc-per-node 1 -m bench.profile_step --out bench/results/step_profile_h200.json
+    python -m bench.profile_step --smoke --out /tmp/profile.json      # CPU, 2 tiny layers: checks the script
 
-For each case (k, batch, context) the step is captured in a CUDA graph, as bench/step.py times it,
+For each case (k, batch, context) the step is captured in a CUDA graph, as bench.step times it,
 and a few replays run under torch.profiler. Kernels are summed by name over those replays and
 divided by the replay count and the layer count: the time of each kernel a layer runs, and of the
 step's own kernels (embedding, head), per step. The kernels fall in classes (attention, matmul,
 the DCP kernels, inductor's fused kernels, aten's elementwise kernels); the gap between the
 replay's wall time and the sum of its kernels is launch and dependency idle time on the device.
-The same is done for bench/step.py's attention layer alone (KV write + attention), so its
+The same is done for bench.step's attention layer alone (KV write + attention), so its
 per-layer time can be compared with the attention inside the step. The compile of the first
 case is timed by phase (torch._dynamo.utils.compile_times).
 """
@@ -17,25 +17,22 @@ case is timed by phase (torch._dynamo.utils.compile_times).
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import sys
+import os
 import time
 from collections import defaultdict
-from datetime import datetime, timezone
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.distributed as dist
 
-import step as step_bench  # noqa: E402  (sets a fresh inductor cache, as bench/step.py does)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import dcp_compile  # noqa: E402
-from dcp_step import shared_kv_allocate  # noqa: E402
-from dcp_compile.runtime import parallel  # noqa: E402
-from dcp_compile.runtime.kv_pool import MLAKVPool  # noqa: E402
-from dcp_compile.runtime.launch import init_from_env  # noqa: E402
+import dcp_compile
+from bench import step as step_bench
+from bench.lib import result as results
+from bench.lib import tables
+from bench.lib.cases import shared_kv_allocate
+from bench.lib.timing import require_cuda, timed_first_call
+from dcp_compile.runtime import parallel
+from dcp_compile.runtime.kv_pool import MLAKVPool
+from dcp_compile.runtime.launch import init_from_env
 
 # Kernel classes, first match wins: a name is matched lower-cased against each substring.
 CLASSES = (
@@ -64,7 +61,7 @@ def parse_args(argv=None):
     args.cases = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",") if c]
     if args.smoke:
         args.lowering, args.inner, args.cases, args.layers, args.replays = "torch", "eager", [(1, 2, 256), (3, 2, 256)], 2, 2
-    # step.py's helpers size the pool and the model from these
+    # bench.step's helpers size the pool and the model from these
     args.decode_batches = [b for k, b, _ in args.cases if k == 1] or [1]
     args.verify_batches = [b for k, b, _ in args.cases if k != 1] or [1]
     args.contexts = sorted({c for _, _, c in args.cases})
@@ -172,34 +169,32 @@ def attention_alone(args, cfg, device, tp, k: int, batch: int, context: int) -> 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.smoke:
-        import os
         for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(key, value)
+    else:
+        require_cuda("bench.profile_step")
+        step_bench.fresh_inductor_cache()
     _, world = init_from_env("gloo" if args.smoke else "nccl")
     if world != 1:
-        raise SystemExit(f"bench/profile_step.py runs on one GPU, got {world} ranks")
+        raise SystemExit(f"bench.profile_step runs on one GPU, got {world} ranks")
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
     tp = parallel.build(1, 1)
     cfg = step_bench.model_config(args)
     started = time.time()
-    result = {
-        "command": ("python " if args.smoke else "torchrun --nproc-per-node 1 ") + " ".join(shlex.quote(a) for a in sys.argv),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "flashinfer": step_bench._flashinfer_version()},
-        "lowering": args.lowering, "inner_compile": args.inner, "layers": cfg.num_layers, "heads": cfg.num_heads,
-        "classes": {label: list(needles) for label, needles in CLASSES}, "cases": [],
-    }
+    result = results.start("profile_step", argv, device)
+    run = result["run"]
+    run.update(lowering=args.lowering, inner_compile=args.inner, layers=cfg.num_layers, heads=cfg.num_heads,
+               classes={label: list(needles) for label, needles in CLASSES})
     original = MLAKVPool._allocate
     MLAKVPool._allocate = shared_kv_allocate
     try:
         model, compiled = step_bench.build(args, cfg, args.lowering, args.inner, args.skinny_matmuls, device, tp)
-        result["fuse_projections"] = dcp_compile.state(compiled).config.fuse_projections
-        result["skinny_matmuls"] = dcp_compile.state(compiled).config.skinny_matmuls
+        run["fuse_projections"] = dcp_compile.state(compiled).config.fuse_projections
+        run["skinny_matmuls"] = dcp_compile.state(compiled).config.skinny_matmuls
         width = max(args.contexts)
         for index, (k, batch, context) in enumerate(args.cases):
             first = step_bench.run_case(compiled, batch, context, k, width, device,
-                                        lambda fn: step_bench.timed_first_call(fn, device))
+                                        lambda fn: timed_first_call(fn, device))
             row = {"k": k, "batch": batch, "context": context, "compile_seconds": first}
             if index == 0:
                 row["compile_phases_seconds"] = _phases()
@@ -207,11 +202,10 @@ def main(argv=None) -> int:
                                               lambda fn: summarise(profile(fn, device, args.replays), cfg.num_layers,
                                                                    args.top))
             row["attention_layer_alone"] = attention_alone(args, cfg, device, tp, k, batch, context)
-            result["cases"].append(row)
-            print_case(row, cfg.num_layers)
-            result["seconds"] = time.time() - started
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            results.add(result, results.MAIN, row)
+            print("\n".join(tables.profile_case(row, cfg.num_layers)), flush=True)
+            run["seconds"] = time.time() - started
+            results.write(result, args.out)
     finally:
         MLAKVPool._allocate = original
     print(f"wrote {args.out} in {time.time() - started:.0f} s")
@@ -225,22 +219,5 @@ def _phases() -> dict:
     return {name: sum(values) for name, values in compilation_time_metrics.items()}
 
 
-def print_case(row: dict, layers: int) -> None:
-    s, alone = row["step"], row["attention_layer_alone"]
-    print(f"k {row['k']} b {row['batch']} ctx {row['context']}: step {s['step_seconds'] * 1e3:.2f} ms, kernels "
-          f"{s['kernel_seconds'] * 1e3:.2f} ms ({s['kernels_per_step']:.0f} a step), idle {s['idle_seconds'] * 1e3:.2f} ms; "
-          f"first call {row['compile_seconds']:.1f} s")
-    for label, us in sorted(s["per_layer_us"].items(), key=lambda item: -item[1]):
-        print(f"    {label:>18}: {us:8.1f} us a layer")
-    print(f"    attention layer alone: {alone['step_seconds'] * 1e6:.1f} us, kernels {alone['kernel_seconds'] * 1e6:.1f} us "
-          f"({alone['kernels_per_step']:.0f})")
-    for kernel in s["top_kernels"][:12]:
-        print(f"      {kernel['seconds_per_step'] / layers * 1e6:8.1f} us/layer x{kernel['calls_per_step'] / layers:5.2f} "
-              f"[{kernel['class']}] {kernel['name'][:90]}")
-    for kernel in alone["top_kernels"][:8]:
-        print(f"      alone {kernel['seconds_per_step'] * 1e6:8.1f} us x{kernel['calls_per_step']:3.0f} [{kernel['class']}] "
-              f"{kernel['name'][:90]}")
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

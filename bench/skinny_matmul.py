@@ -2,7 +2,7 @@
 einsum, and the transposed product W @ x^T) against the project's Triton skinny matmul
 (dcp_compile/lowering/triton/skinny_matmul.py), its default config and the best of a sweep.
 
-    python bench/skinny_matmul.py --out bench/results/skinny_matmul_h200.json
+    python -m bench.skinny_matmul --out bench/results/skinny_matmul_h200.json
 
 Shapes: one Kimi-K2 layer with 64 heads on one GPU, with q_a/kv_a and gate/up fused as
 fuse_projections leaves them, and the absorbed W_UK / W_UV per-head products. Each product is
@@ -16,18 +16,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import shlex
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kernels import copy_bandwidth, time_graph  # noqa: E402
+from bench.lib import result as results
+from bench.lib.timing import copy_bandwidth, require_cuda, time_graph
 
 HIDDEN, Q_LORA, KV_A, HEADS, QK_NOPE, V_HEAD, R, MLP = 7168, 1536, 576, 64, 128, 128, 512, 2048
 SHAPES = {  # name: (batch of weights, K, N); batch 1 is a linear of weight [N, K]
@@ -124,10 +119,12 @@ def configs(problem: Problem, programs: int):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    require_cuda("bench.skinny_matmul")
     from dcp_compile.lowering.triton import skinny_matmul as skinny
 
     torch.manual_seed(0)
-    copy = copy_bandwidth(torch, 4.0, 10)
+    result = results.start("skinny_matmul", argv, torch.device("cuda", 0))
+    copy = copy_bandwidth(4.0, 10)
     started = time.time()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     programs = skinny.programs_wanted(torch.device("cuda"))
@@ -149,9 +146,9 @@ def main(argv=None) -> int:
                 error = relative_error(outs[0], ref)
                 if not error < 2e-2:
                     raise AssertionError(f"{name} T {tokens} {config}: relative error {error}")
-                return time_graph(torch, launch, len(problem.weights), args.replays), error
+                return time_graph(launch, len(problem.weights), args.replays), error
 
-            row["cublas_seconds"] = time_graph(torch, lambda i: problem.cublas(problem.weights[i]),
+            row["cublas_seconds"] = time_graph(lambda i: problem.cublas(problem.weights[i]),
                                                len(problem.weights), args.replays)
             row["cublas_error"] = relative_error(problem.cublas(problem.weights[0]), ref)
             if problem.batch == 1:
@@ -188,24 +185,18 @@ def main(argv=None) -> int:
                      f" of {row['swept']}" if "best_seconds" in row else ""), flush=True)
             del problem, outs
             torch.cuda.empty_cache()
-    result = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"gpu": torch.cuda.get_device_name(0),
-                          "sms": torch.cuda.get_device_properties(0).multi_processor_count},
-              "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                           "triton": __import__("triton").__version__},
-              "copy_bytes_per_s": copy["bytes_per_s"], "config_fields": ["block_n", "block_k", "splits", "num_warps", "num_stages"],
-              "rows": rows, "seconds": time.time() - started}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    if args.table:
+    result["run"].update(copy_bytes_per_s=copy["bytes_per_s"], seconds=time.time() - started,
+                         config_fields=["block_n", "block_k", "splits", "num_warps", "num_stages"])
+    results.add(result, results.MAIN, *rows)
+    results.write(result, args.out)
+    if args.table:  # dcp_compile/lowering/triton/skinny_configs/'s format
         Path(args.table).write_text(json.dumps({
             "gpu": result["machine"]["gpu"], "source": result["command"], "date": result["date"],
-            "fields": result["config_fields"], "configs": table}, indent=1))
+            "fields": result["run"]["config_fields"], "configs": table}, indent=1))
         print(f"wrote {args.table}")
     print(f"wrote {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

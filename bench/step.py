@@ -1,8 +1,8 @@
 """The whole decode / verify step on one GPU against its roofline floor, per (lowering, inner compiler).
 
-    torchrun --nproc-per-node 1 bench/step.py --out bench/results/step_h200.json
-    python bench/report_step.py bench/results/step_h200.json --plot bench/results/step_h200.png
-    python bench/step.py --smoke --out /tmp/step.json      # CPU, 2 tiny layers: checks the script
+    torchrun --nproc-per-node 1 -m bench.step --out bench/results/step_h200.json
+    python -m bench.report bench/results/step_h200.json --plot bench/results/step_h200.png
+    python -m bench.step --smoke --out /tmp/step.json      # CPU, 2 tiny layers: checks the script
 
 The model is a 61-layer Kimi-K2-shaped stack at DCP = 1 on one GPU: 64 heads, R = 512, P = 64,
 real-sized attention weights, a 2048-wide MLP, a 4k vocabulary, bf16. Its layers share one KV
@@ -13,8 +13,8 @@ For each (lowering, inner compiler) and case (decode at --decode-batches, verify
 --verify-batches, at each context):
   - step_seconds: the median step time;
   - floor_seconds: the larger of (weights + KV bytes read) at the copy rate, and the step's FLOPs
-    at the matmul rate, both measured in this run (bench/kernels.py's copy: read + write bytes
-    over time; an 8192^3 bf16 matmul);
+    at the matmul rate, both measured in this run (bench.lib.timing: the copy's read + write bytes
+    over time, an 8192^3 bf16 matmul);
   - attention_seconds: one attention layer alone (KV write + attention, the same lowering, in a
     graph) times the layer count; rest_seconds = step - attention;
   - compile_seconds: the first call of that batch shape (tracing, the DCP passes, the inner
@@ -25,33 +25,25 @@ For each (lowering, inner compiler) and case (decode at --decode-batches, verify
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shlex
-import sys
 import tempfile
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.distributed as dist
 
-if "--smoke" not in sys.argv and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dcp_step_inductor_")  # cold: a fresh cache
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import dcp_compile  # noqa: E402
-from dcp_step import host_metadata, page_size, shared_kv_allocate, stack_batch  # noqa: E402
-from decode import AttentionLayer, Timer, fill_random  # noqa: E402
-from dcp_compile.models.config import preset  # noqa: E402
-from dcp_compile.models.mla import MLAModel  # noqa: E402
-from dcp_compile.runtime import parallel  # noqa: E402
-from dcp_compile.runtime.kv_pool import MLAKVPool  # noqa: E402
-from dcp_compile.runtime.launch import init_from_env  # noqa: E402
+import dcp_compile
+from bench.lib import result as results
+from bench.lib import tables
+from bench.lib.cases import (AttentionLayer, fill_random, host_metadata, page_size, shared_kv_allocate,
+                             stack_batch)
+from bench.lib.roofline import attention_flops, floor
+from bench.lib.timing import Timer, copy_bandwidth, matmul_rate, require_cuda, timed_first_call
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.runtime import parallel
+from dcp_compile.runtime.kv_pool import MLAKVPool
+from dcp_compile.runtime.launch import init_from_env
 
 TARGETS = [  # (k, batch, context, fraction of the floor): issue 20
     (1, 4, 131072, 0.80), (1, 16, 131072, 0.85), (7, 4, 131072, 0.75)]
@@ -119,22 +111,22 @@ def weight_bytes_and_params(model) -> tuple[int, int]:
     return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params)
 
 
-def floor(cfg, weights: tuple[int, int], k: int, batch: int, context: int, copy_rate: float, matmul_rate: float) -> dict:
+def step_work(cfg, weights: tuple[int, int], k: int, batch: int, context: int) -> dict:
+    """What one step must read and compute: every weight (`weights`: bytes, parameters) and each
+    layer's whole context; 2 FLOPs a parameter and token, and attention over the whole context for
+    each token."""
     tokens, row_bytes = batch * k, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
     kv_bytes = cfg.num_layers * batch * context * row_bytes
-    attention_flops = cfg.num_layers * tokens * cfg.num_heads * context * 2 * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    flops = 2 * weights[1] * tokens + attention_flops
-    seconds = max((weights[0] + kv_bytes) / copy_rate, flops / matmul_rate)
-    return {"weight_bytes": weights[0], "kv_bytes": kv_bytes, "flops": flops, "floor_seconds": seconds,
-            "floor_bound": "memory" if (weights[0] + kv_bytes) / copy_rate >= flops / matmul_rate else "compute"}
+    flops = 2 * weights[1] * tokens + attention_flops(cfg.num_heads, cfg.num_layers * tokens * context,
+                                                      cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    return {"weight_bytes": weights[0], "kv_bytes": kv_bytes, "flops": flops}
 
 
-def timed_first_call(fn, device) -> float:
-    started = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - started
+def fresh_inductor_cache() -> str:
+    """An empty inductor cache for this run, so the first compile is cold (unless one was set)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dcp_step_inductor_")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def build(args, cfg, lowering: str, inner: str, skinny: str, device, tp):
@@ -223,16 +215,19 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
                 row["capture_error"] = timing["capture_error"]
         except Exception as error:  # noqa: BLE001 - reported, the run goes on
             row.update(step_seconds=float("nan"), error=f"{type(error).__name__}: {error}"[:400])
-        row.update(floor(cfg, weights, k, batch, context, result["copy_bytes_per_s"], result["matmul_flops_per_s"]))
+        row.update(step_work(cfg, weights, k, batch, context))
+        row["floor_seconds"], row["floor_bound"] = floor(row["weight_bytes"] + row["kv_bytes"], row["flops"],
+                                                         result["run"]["copy_bytes_per_s"],
+                                                         result["run"]["matmul_flops_per_s"])
         row["fraction_of_floor"] = row["floor_seconds"] / row["step_seconds"]
         row["attention_seconds"] = attention[(k, batch, context)] * cfg.num_mla_layers
         row["rest_seconds"] = row["step_seconds"] - row["attention_seconds"]
-        result["cases"].append(row)
+        results.add(result, results.MAIN, row)
         print(f"{lowering:>10} {inner:>8} skinny {resolved.skinny_matmuls:>3} ctx {context:>6} b {batch:>3} k {k} step {row['step_seconds'] * 1e3:8.2f} ms "
               f"floor {row['floor_seconds'] * 1e3:7.2f} ms ({row['fraction_of_floor']:.0%}) attention "
               f"{row['attention_seconds'] * 1e3:7.2f} ms, first call {row.get('compile_seconds', float('nan')):6.1f} s "
               f"{row.get('error', '')}", flush=True)
-    first = next(r for r in result["cases"] if (r["lowering"], r["inner_compile"], r["skinny_matmuls"])
+    first = next(r for r in results.rows(result) if (r["lowering"], r["inner_compile"], r["skinny_matmuls"])
                  == (lowering, inner, resolved.skinny_matmuls))
     compile_row["cold_seconds"] = first.get("compile_seconds")
     del compiled, model
@@ -248,7 +243,7 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
         if device.type == "cuda":
             torch.cuda.empty_cache()
     torch._dynamo.reset()
-    result["compile"].append(compile_row)
+    results.add(result, "compile", compile_row)
     print(f"{lowering:>10} {inner:>8} skinny {resolved.skinny_matmuls:>3} compile: cold {compile_row['cold_seconds'] or float('nan'):.1f} s, warm "
           f"{compile_row.get('warm_seconds', float('nan')):.1f} s", flush=True)
 
@@ -256,11 +251,8 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
 def measure_rates(args, device) -> dict:
     if device.type != "cuda":
         return {"copy_bytes_per_s": 1e10, "matmul_flops_per_s": 1e11, "note": "--smoke: nominal rates, nothing measured"}
-    from kernels import copy_bandwidth
-    from lowerings import matmul_rate
-
-    copy = copy_bandwidth(torch, 4.0, args.replays)
-    rates = {"copy_bytes_per_s": copy["bytes_per_s"], "copy": copy, "matmul_flops_per_s": matmul_rate(torch, args.replays)}
+    copy = copy_bandwidth(4.0, args.replays)
+    rates = {"copy_bytes_per_s": copy["bytes_per_s"], "copy": copy, "matmul_flops_per_s": matmul_rate(args.replays)}
     torch.cuda.empty_cache()
     return rates
 
@@ -268,12 +260,12 @@ def measure_rates(args, device) -> dict:
 def summary(result: dict) -> list[str]:
     lines = []
     for k, batch, context, target in TARGETS:
-        for row in result["cases"]:
+        for row in results.rows(result):
             if (row["k"], row["batch"], row["context"]) == (k, batch, context) and row["step_seconds"] == row["step_seconds"]:
                 met = row["fraction_of_floor"] >= target
                 lines.append(f"{row['lowering']}+{row['inner_compile']}+skinny-{row.get('skinny_matmuls')} k={k} b={batch} ctx={context}: "
                              f"{row['fraction_of_floor']:.1%} of the floor (target {target:.0%}, {'met' if met else 'missed'})")
-    for row in result["compile"]:
+    for row in results.rows(result, "compile"):
         for key, limit in COMPILE_TARGETS.items():
             if row.get(key) is not None:
                 lines.append(f"{row['lowering']}+{row['inner_compile']} {key.replace('_', ' ')} {row[key]:.1f} s "
@@ -288,34 +280,29 @@ def main(argv=None) -> int:
         os.environ.setdefault("MASTER_PORT", "29531")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
+    else:
+        require_cuda("bench.step")
+        fresh_inductor_cache()
     rank, world = init_from_env("gloo" if args.smoke else "nccl")
     if world != 1:
-        raise SystemExit(f"bench/step.py runs on one GPU (torchrun --nproc-per-node 1), got {world} ranks")
+        raise SystemExit(f"bench.step runs on one GPU (torchrun --nproc-per-node 1 -m bench.step), got {world} ranks")
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
     tp = parallel.build(1, 1)
     cfg = model_config(args)
     started = time.time()
-    result = {
-        "command": ("python " if args.smoke else "torchrun --nproc-per-node 1 ") + " ".join(shlex.quote(a) for a in sys.argv),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                     "triton": __import__("triton").__version__ if device.type == "cuda" else None,
-                     "flashinfer": _flashinfer_version()},
-        "shapes": {"model": "kimi-k2" if not args.smoke else "tiny-512", "layers": cfg.num_layers, "heads": cfg.num_heads,
-                   "kv_lora_rank": cfg.kv_lora_rank, "rope_dim": cfg.qk_rope_head_dim, "intermediate_size": 2048,
-                   "vocab_size": cfg.vocab_size, "dtype": "bfloat16", "page_size": page_size(1), "draft": args.draft,
-                   "repeats_per_graph": args.repeats},
-        "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-        "cases": [], "compile": [],
-    }
-    result.update(measure_rates(args, device))
+    result = results.start("step", argv, device)
+    run = result["run"]
+    run.update(shapes={"model": "kimi-k2" if not args.smoke else "tiny-512", "layers": cfg.num_layers,
+                       "heads": cfg.num_heads, "kv_lora_rank": cfg.kv_lora_rank, "rope_dim": cfg.qk_rope_head_dim,
+                       "intermediate_size": 2048, "vocab_size": cfg.vocab_size, "dtype": "bfloat16",
+                       "page_size": page_size(1), "draft": args.draft, "repeats_per_graph": args.repeats},
+               inductor_cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    run.update(measure_rates(args, device))
 
     def save() -> None:
-        result["seconds"] = time.time() - started
-        result["targets"] = summary(result)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        run["seconds"] = time.time() - started
+        run["targets"] = summary(result)
+        results.write(result, args.out)
 
     original = MLAKVPool._allocate
     MLAKVPool._allocate = shared_kv_allocate
@@ -323,25 +310,18 @@ def main(argv=None) -> int:
         attention_cache = {}
         for lowering, inner, skinny in args.combos:
             if time.time() - started > args.budget_s:
-                result.setdefault("skipped", []).append(f"{lowering}:{inner}:{skinny} (budget)")
+                run.setdefault("skipped", []).append(f"{lowering}:{inner}:{skinny} (budget)")
                 continue
             bench_combo(args, cfg, lowering, inner, skinny, device, tp, result, attention_cache)
             save()
     finally:
         MLAKVPool._allocate = original
     save()
-    print("\n".join(result["targets"]))
-    print(f"wrote {args.out} in {result['seconds']:.0f} s")
+    print("\n".join(tables.step(result)))
+    print(f"wrote {args.out} in {run['seconds']:.0f} s")
     dist.destroy_process_group()
     return 0
 
 
-def _flashinfer_version():
-    try:
-        return __import__("flashinfer").__version__
-    except Exception:  # noqa: BLE001 - absent on CPU
-        return None
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

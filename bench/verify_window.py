@@ -1,6 +1,6 @@
 """What the verify window costs FlashInfer under DCP, measured on one GPU at DCP = 1 semantics.
 
-    python bench/verify_window.py --out bench/results/verify_window_h200.json
+    python -m bench.verify_window --out bench/results/verify_window_h200.json
 
 Under DCP a verify row's keys at or after its first query lie on several ranks, interleaved, so
 FlashInfer's causal mask (queries aligned to the end of the rank's keys) is wrong there, and its
@@ -25,21 +25,14 @@ rows, random pages), CUDA-graph replays, medians. Each variant's output is check
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
-import shlex
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-from kernels import require_cuda, time_graph  # noqa: E402
-from lowerings import PAGE, POOL, P, R, Case  # noqa: E402
+from bench.lib import result as results
+from bench.lib.cases import BLOCK, RANK_DIM, ROPE_DIM, PagedCase
+from bench.lib.timing import require_cuda, time_graph
 
 WINDOW = 16
 VARIANTS = ("causal", "prefix", "split", "overlap", "window")
@@ -63,8 +56,6 @@ def parse_args(argv=None):
 def merge_two(out_a, lse_a, out_b, lse_b):
     """Two partial attentions of the same queries over disjoint keys, merged by LSE: the
     reference merge (what dcp.merge_partials computes), compiled by inductor into one kernel."""
-    import torch
-
     from dcp_compile.ops.reference import merge_lse
 
     return merge_lse(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]))[0]
@@ -73,16 +64,16 @@ def merge_two(out_a, lse_a, out_b, lse_b):
 class Variants:
     """The launches of every variant for a list of cases (one graph step each)."""
 
-    def __init__(self, torch, cases, scale):
+    def __init__(self, cases, scale):
         from dcp_compile.lowering.flashinfer.plans import FlashInferPlan, PlanSpec
         from dcp_compile.lowering.triton import window
 
-        self.torch, self.cases, self.scale, self.window = torch, cases, scale, window
+        self.cases, self.scale, self.window = cases, scale, window
         self.plans = {}
         for keys, causal in (("all", True), ("prefix", False)):
             for i, c in enumerate(cases):
-                spec = PlanSpec(keys=keys, causal=causal, rows=c.batch, tokens=c.batch * c.k, heads=c.heads, rank_dim=R,
-                                rope_dim=P, block_size=PAGE, blocks_per_row=c.context // PAGE, sm_scale=scale,
+                spec = PlanSpec(keys=keys, causal=causal, rows=c.batch, tokens=c.batch * c.k, heads=c.heads, rank_dim=RANK_DIM,
+                                rope_dim=ROPE_DIM, block_size=BLOCK, blocks_per_row=c.context // BLOCK, sm_scale=scale,
                                 dtype=torch.bfloat16, device=torch.device("cuda"))
                 plan = FlashInferPlan(spec)
                 plan.plan(c.host())
@@ -95,17 +86,17 @@ class Variants:
         self.results = {}
 
     def _window(self, c, out, lse):
-        return self.window.window_attention(out, lse, c.q_latent, c.q_rope, POOL[0], c.page_table, c.seq_lens, c.positions,
+        return self.window.window_attention(out, lse, c.q_latent, c.q_rope, c.pool, c.page_table, c.seq_lens, c.positions,
                                             c.q_seq_ids, c.q_positions, self.scale, WINDOW)
 
     def launch(self, variant: str, i: int):
-        torch, c = self.torch, self.cases[i]
+        c = self.cases[i]
         if variant == "causal":
-            result = self.plans["all", i].run(c.q_latent, c.q_rope, POOL[0])
+            result = self.plans["all", i].run(c.q_latent, c.q_rope, c.pool)
         elif variant == "prefix":
-            result = self.plans["prefix", i].run(c.q_latent, c.q_rope, POOL[0])
+            result = self.plans["prefix", i].run(c.q_latent, c.q_rope, c.pool)
         elif variant == "split":
-            result = self._window(c, *self.plans["prefix", i].run(c.q_latent, c.q_rope, POOL[0]))
+            result = self._window(c, *self.plans["prefix", i].run(c.q_latent, c.q_rope, c.pool))
         elif variant == "window":
             result = self._window(c, self.zero_out, self.zero_lse)
         elif variant == "overlap":
@@ -113,7 +104,7 @@ class Variants:
             self.side.wait_stream(main)
             with torch.cuda.stream(self.side):
                 window_out, window_lse = self._window(c, self.zero_out, self.zero_lse)
-            prefix_out, prefix_lse = self.plans["prefix", i].run(c.q_latent, c.q_rope, POOL[0])
+            prefix_out, prefix_lse = self.plans["prefix", i].run(c.q_latent, c.q_rope, c.pool)
             main.wait_stream(self.side)
             result = (self.merge(prefix_out, prefix_lse, window_out, window_lse), None)
         else:
@@ -123,31 +114,24 @@ class Variants:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch = require_cuda()
-    import triton
-
+    require_cuda("bench.verify_window")
     from dcp_compile.lowering import flashinfer
 
-    reason = flashinfer.unsupported_reason(torch.device("cuda"), R, P, torch.bfloat16)
+    reason = flashinfer.unsupported_reason(torch.device("cuda"), RANK_DIM, ROPE_DIM, torch.bfloat16)
     if reason:
         raise SystemExit(f"FlashInfer is needed: {reason}")
     started = time.monotonic()
     scale = 1 / math.sqrt(192)
-    result = {
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-        "cuda": torch.version.cuda, "flashinfer": __import__("flashinfer").__version__,
-        "python": platform.python_version(), "command": shlex.join([os.path.basename(sys.executable)] + sys.argv),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "page_rows": PAGE, "window": WINDOW,
-        "k": args.k, "method": "median over CUDA-graph replays of --repeats steps on their own page tables",
-        "cases": [],
-    }
-    pool_rows = args.repeats * max(args.batches) * max(args.contexts) + 8 * PAGE
-    POOL.append(torch.empty(pool_rows, R + P, dtype=torch.bfloat16, device="cuda").normal_())
+    result = results.start("verify_window", argv, torch.device("cuda", 0))
+    result["run"].update(page_rows=BLOCK, window=WINDOW, k=args.k,
+                         method="median over CUDA-graph replays of --repeats steps on their own page tables")
+    pool_rows = args.repeats * max(args.batches) * max(args.contexts) + 8 * BLOCK
+    pool = torch.empty(pool_rows, RANK_DIM + ROPE_DIM, dtype=torch.bfloat16, device="cuda").normal_()
     for heads in args.heads:
         for context in args.contexts:
             for batch in args.batches:
-                cases = [Case(torch, pool_rows // PAGE, heads, context, batch, args.k, seed=s) for s in range(args.repeats)]
-                variants = Variants(torch, cases, scale)
+                cases = [PagedCase(pool, heads, context, batch, args.k, seed=s) for s in range(args.repeats)]
+                variants = Variants(cases, scale)
                 row = {"heads": heads, "context": context, "batch": batch, "k": args.k}
                 for variant in VARIANTS:
                     variants.launch(variant, 0)
@@ -157,21 +141,20 @@ def main(argv=None) -> int:
                     diff = (variants.results[variant, 0][0].float() - reference).abs().max() / reference.abs().max()
                     row[f"{variant}_rel_diff"] = float(diff)
                 for variant in VARIANTS:
-                    row[f"{variant}_us"] = time_graph(torch, lambda i, v=variant: variants.launch(v, i), len(cases),
+                    row[f"{variant}_us"] = time_graph(lambda i, v=variant: variants.launch(v, i), len(cases),
                                                       args.replays) * 1e6
                 row["window_cost_us"] = row["split_us"] - row["prefix_us"]
                 row["split_over_causal"] = row["split_us"] / row["causal_us"]
                 row["overlap_over_causal"] = row["overlap_us"] / row["causal_us"]
-                result["cases"].append(row)
+                results.add(result, results.MAIN, row)
                 print(f"heads {heads} ctx {context:>6} batch {batch:>2} k {args.k}: " + "  ".join(
                     f"{v} {row[f'{v}_us']:.1f}" for v in VARIANTS)
                     + f"  us; split/causal {row['split_over_causal']:.3f} overlap/causal {row['overlap_over_causal']:.3f}"
                     + f"  diffs {row['split_rel_diff']:.1e} {row['overlap_rel_diff']:.1e}", flush=True)
                 del variants, cases
-    result["wall_s"] = time.monotonic() - started
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out} in {result['wall_s']:.0f} s")
+    result["run"]["wall_s"] = time.monotonic() - started
+    results.write(result, args.out)
+    print(f"wrote {args.out} in {result['run']['wall_s']:.0f} s")
     return 0
 
 

@@ -1,12 +1,11 @@
 """NPU graphs on the emulated npu device: what the torchair inner compiler is handed (torchair
 itself faked: it needs torch_npu), the graph runner's logic on a fake graph back end (buckets,
 the FIA lengths pushed before each replay, a skipped update caught in debug mode), and
-bench/npu_smoke.py in its stand-in mode (the emulated device). Replays from the emulator's own
+bench.npu_smoke in its stand-in mode (the emulated device). Replays from the emulator's own
 NPU graphs: tests/npu/test_defects.py."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 import dcp_compile
+from bench.lib import result as results
 from dcp_compile.lowering import npu as npu_lowering
 from dcp_compile.lowering.npu import inner_compile
 from dcp_compile.models.mla import MLAModel
@@ -128,16 +128,18 @@ def test_a_skipped_fia_update_is_caught_in_debug_mode():
 
 def test_npu_smoke_script_runs_on_the_standins(tmp_path):
     out = tmp_path / "smoke.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "npu_smoke.py"), "--standin", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "bench.npu_smoke", "--standin", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads(out.read_text())
-    assert {"command", "date", "machine", "versions", "shapes", "attention_layer", "correctness"} <= set(result)
+    result = results.read(out)
+    assert result["schema"] == results.SCHEMA and result["benchmark"] == "npu_smoke"
+    assert {"command", "date", "machine", "versions"} <= set(result) and "shapes" in result["run"]
+    verdicts, layer = results.rows(result, "correctness"), results.rows(result, "attention_layer")
     # --standin: the script's check, one decode case and the last --combos entry's verify (nz, v2, mask)
-    assert [v["mode"] for v in result["correctness"]] == ["decode", "verify"]
-    assert {k: result["correctness"][1][k] for k in ("npu_kv_format", "fia_version", "npu_verify")} == dict(
+    assert [v["mode"] for v in verdicts] == ["decode", "verify"]
+    assert {k: verdicts[1][k] for k in ("npu_kv_format", "fia_version", "npu_verify")} == dict(
         npu_kv_format="nz", fia_version=2, npu_verify="mask")
-    assert all(v["tokens_match"] and v["outputs_match"] for v in result["correctness"])
+    assert all(v["tokens_match"] and v["outputs_match"] for v in verdicts)
     assert {(r["dcp_size"], r["context"], r["batch"], r["npu_kv_format"], r["fia_version"])
-            for r in result["attention_layer"]} == {(n, 300, 4, "nz", 2) for n in (1, 2)}
-    assert all(r["step_seconds"] > 0 for r in result["attention_layer"])
+            for r in layer} == {(n, 300, 4, "nz", 2) for n in (1, 2)}
+    assert all(r["step_seconds"] > 0 for r in layer)

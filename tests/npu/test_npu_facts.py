@@ -1,4 +1,4 @@
-"""bench/npu_facts.py, the probe a hardware owner runs first: on the stand-ins every fact that can
+"""bench.npu_facts, the probe a hardware owner runs first: on the stand-ins every fact that can
 be checked here passes, and a stand-in made to depart from a fact is reported as FAIL with a
 non-zero exit status."""
 
@@ -10,14 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.lib import result as results
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _probe(*args):
     env = {k: v for k, v in os.environ.items() if k != "DCP_COMPILE_STANDIN_PLANT"}
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "npu_facts.py"), "--standin", "--json", *args],
-                          capture_output=True, text=True, timeout=600, env=env)
-    return done.returncode, json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+    done = subprocess.run([sys.executable, "-m", "bench.npu_facts", "--standin", "--json", *args],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["schema"] == results.SCHEMA and result["benchmark"] == "npu_facts"
+    return done.returncode, {**result["run"], "facts": results.rows(result, "facts")}, done.stderr
 
 
 def test_every_fact_passes_on_the_standins(tmp_path):
@@ -27,7 +31,7 @@ def test_every_fact_passes_on_the_standins(tmp_path):
     statuses = {fact["name"]: fact["status"] for fact in result["facts"]}
     assert len(statuses) == 14 and result["failed"] == 0
     assert statuses == {**{name: "PASS" for name in statuses}, "torchair-symint-lengths": "SKIP"}  # needs torch_npu
-    assert json.loads(out.read_text())["facts"] == result["facts"]
+    assert results.rows(results.read(out), "facts") == result["facts"]
     facts = {fact["name"]: fact["measured"] for fact in result["facts"]}
     assert facts["empty-shard-lse"]["lse_kv_len_0"] == [float("inf")]
     assert facts["lse-base"]["matches_base_e"] and not facts["lse-base"]["matches_base_2"]
