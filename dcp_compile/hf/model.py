@@ -8,7 +8,10 @@ What apply does here:
   resharded by tokens over the DCP group: the model's own per-layer cache is never allocated;
 - the model's `forward` (an instance attribute, the class is untouched) becomes the DCP step:
   host-side checks of the call, then the model's own forward compiled (fullgraph) with the DCP
-  backend, whose first pass is the absorb pass (dcp_compile/hf/absorb.py), then the DCP passes;
+  backend, whose first pass is the absorb pass (dcp_compile/hf/absorb.py), then the DCP passes,
+  run by the compiled-step core every front end shares (dcp_compile/compiled_step.py): after a
+  failed step a rank with DCP peers runs no more steps, a device error flag a step set (a batch
+  the kernels masked) raises at the next step, and the DCP peers agree on each batch shape;
 - attention stays replicated (transformers' DeepSeek-V3 TP plan does not split it): every rank
   of the DCP group runs the same tokens with every head, attends over its own shard, and the
   exchange of (out, LSE) with the LSE merge gives every rank the whole attention
