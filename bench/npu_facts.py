@@ -207,7 +207,7 @@ def check_fia_v2_layouts(fact: Fact, device) -> None:
 
 
 def check_masked_verify(fact: Fact, device) -> None:
-    from dcp_compile.ops.reference import rank_causal_mask
+    from dcp_compile.lowering.npu.ops import rank_causal_mask
 
     # rank 1 of 2, token-interleaved: local key i holds global position 2 i + 1; 3 queries a row
     per_row, kv_lens, prefix = 3, [3, 70, 1], [4, 137, 0]
@@ -330,6 +330,8 @@ def check_few_heads(fact: Fact, device) -> None:
 
 
 def check_update_all_empty(fact: Fact, device) -> None:
+    from dcp_compile.lowering.npu import ops as npu_ops
+
     shards, tokens, heads = 2, 5, 4
     gen = torch.Generator().manual_seed(8)
     out = torch.randn(tokens, shards * heads, LATENT, generator=gen).bfloat16()
@@ -338,7 +340,7 @@ def check_update_all_empty(fact: Fact, device) -> None:
     lse[3, :heads] = -math.inf  # token 3: shard 0 empty
     out[1] = 0
     packed = reference.pack_partials(out, lse, shards).to(device)
-    outs, lses = torch.ops.dcp.split_partials(packed, LATENT)  # the lowering's guard for all-empty rows
+    outs, lses = npu_ops.SPLIT_PARTIALS(packed, LATENT)  # the lowering's guard for all-empty rows
     merged, _ = torch.ops.npu.npu_attention_update(list(lses.unbind(0)), list(outs.unbind(0)), 0)
     want = reference.merge_partials(packed.cpu(), LATENT).reshape(tokens * heads, LATENT)
     ok, diff = _close(merged.reshape(tokens * heads, LATENT), want, **TOLERANCE)
@@ -520,7 +522,7 @@ FACTS = [
      check_tnd_more_queries_than_keys),
     ("fia-few-heads", "FIA's MLA path serves 1, 2 and 4 query heads (§4.2; SGLang avoids fewer than 8)",
      check_few_heads),
-    ("update-all-empty", "npu_attention_update after dcp.split_partials' guard merges a row whose every shard is "
+    ("update-all-empty", "npu_attention_update after dcp_npu.split_partials' guard merges a row whose every shard is "
                          "empty to 0 (§7.4, §8)", check_update_all_empty),
     ("block-sizes", "FIA takes block sizes 16 and 128 (§4.5; more under CANN's 2026 tiling check)", check_block_sizes),
     ("strided-keys", "contiguous latent and rope caches give what strided views of packed rows give, without the "

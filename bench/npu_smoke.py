@@ -90,7 +90,7 @@ def correctness(rank: int, world: int, device: str, combos: list[dict], standin:
     for arguments, combo in cases:
         if standin:
             arguments = {**arguments, **STANDIN_CORRECTNESS, "batch": len(STANDIN_CORRECTNESS["contexts"])}
-        case = scenarios.Scenario(**arguments, **combo, device=device)
+        case = scenarios.Scenario(**arguments, options=combo, device=device)
         result = scenarios.run_on_rank(rank, world, case)
         gathered = [None] * world
         dist.all_gather_object(gathered, result)

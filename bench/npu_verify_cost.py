@@ -3,7 +3,7 @@
     DCP_COMPILE_NPU_EMULATOR=1 python -m bench.npu_verify_cost --out bench/results/npu_verify_cost.json
 
 Memory is measured on the emulated npu device: the ops each scheme adds run at full size there
-(the body of dcp.rank_causal_mask for 'mask'; dcp.window_attention's torch reference for 'split',
+(the body of dcp_npu.rank_causal_mask for 'mask'; dcp.window_attention's torch reference for 'split',
 whose outputs the Triton kernel also allocates), and a dispatch mode adds up the bytes of every
 tensor they allocate and of what outlives them (`kept_bytes`). FLOPs are derived
 (2 x T x heads x keys x (R + P + R) per attention), as is the mask's read by FIA, once per layer.
@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     os.environ.setdefault(devices.EMULATOR_ENV, "1")
     devices.require_torch_npu("bench.npu_verify_cost")
     import dcp_compile.ops.targets  # noqa: F401 - registers dcp::
+    from dcp_compile.lowering.npu import ops as npu_ops
     from dcp_compile.ops import reference
 
     device = torch.device("npu", 0)
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     q_positions = (torch.arange(args.k, device=device) + first).repeat(args.batch)
 
     with Allocations() as mask_alloc:
-        mask, visible = reference.rank_causal_mask(key_positions, local_lens, q_positions, width)  # dcp.rank_causal_mask's body
+        mask, visible = npu_ops.rank_causal_mask(key_positions, local_lens, q_positions, width)  # dcp_npu.rank_causal_mask
     mask_kept = nbytes(mask, visible)
 
     gen = torch.Generator().manual_seed(0)

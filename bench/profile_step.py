@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     try:
         model, compiled = step_bench.build(args, cfg, args.lowering, args.inner, args.skinny_matmuls, device, tp)
         run["fuse_projections"] = dcp_compile.state(compiled).config.fuse_projections
-        run["skinny_matmuls"] = dcp_compile.state(compiled).config.skinny_matmuls
+        run["skinny_matmuls"] = step_bench.skinny_of(dcp_compile.state(compiled).config)
         width = max(args.contexts)
         for index, (k, batch, context) in enumerate(args.cases):
             first = step_bench.run_case(compiled, batch, context, k, width, device,

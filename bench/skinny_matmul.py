@@ -153,7 +153,7 @@ def main(argv=None) -> int:
             row["cublas_error"] = relative_error(problem.cublas(problem.weights[0]), ref)
             if problem.batch == 1:
                 row["cublas_transposed_seconds"] = time_graph(
-                    torch, lambda i: torch.mm(problem.weights[i], problem.x.t()).t(), len(problem.weights), args.replays)
+                    lambda i: torch.mm(problem.weights[i], problem.x.t()).t(), len(problem.weights), args.replays)
             default = skinny.choose(tokens, problem.n, problem.k, problem.batch, programs)  # the heuristic, no table
             row["default_config"] = list(default.__dict__.values())
             row["default_seconds"], row["default_error"] = run_skinny(default)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import dcp_compile
+from dcp_compile.lowering import registry
 from bench.lib import result as results
 from bench.lib import tables
 from bench.lib.cases import (AttentionLayer, fill_random, host_metadata, page_size, shared_kv_allocate,
@@ -129,11 +130,18 @@ def fresh_inductor_cache() -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
+def skinny_of(config) -> str:
+    """What the compiled model resolved skinny_matmuls to ('off' where its back end has no such option)."""
+    return getattr(config.options, "skinny_matmuls", "off")
+
+
 def build(args, cfg, lowering: str, inner: str, skinny: str, device, tp):
     model = MLAModel(cfg, kv_capacity=capacity(args), max_requests=max(args.decode_batches + args.verify_batches), par=tp,
                      dtype=torch.bfloat16, device=device, page_size=page_size(1))
+    # skinny_matmuls is an option of the back ends that run the Triton kernels (TritonOptions)
+    options = {"skinny_matmuls": skinny} if lowering in registry.option_owners("skinny_matmuls") else {}
     compiled = dcp_compile.apply(model, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=lowering,
-                                 inner_compile=inner, fuse_projections=args.fuse_projections, skinny_matmuls=skinny)
+                                 inner_compile=inner, fuse_projections=args.fuse_projections, **options)
     fill_random(model.kv_pool.cache(0))
     return model, compiled
 
@@ -196,16 +204,17 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
     attention = attention_cache[lowering]
     started = time.perf_counter()
     model, compiled = build(args, cfg, lowering, inner, skinny, device, tp)
-    resolved = dcp_compile.state(compiled).config
+    config = dcp_compile.state(compiled).config
+    resolved = skinny_of(config)
     build_seconds = time.perf_counter() - started
     weights = weight_bytes_and_params(model)
     width = max(args.contexts)
-    compile_row = {"lowering": lowering, "inner_compile": inner, "skinny_matmuls": resolved.skinny_matmuls,
+    compile_row = {"lowering": lowering, "inner_compile": inner, "skinny_matmuls": resolved,
                    "model_build_seconds": build_seconds}
     for k, batch, context in cases(args):
         row = {"lowering": lowering, "inner_compile": inner, "context": context, "batch": batch, "k": k,
-               "layers": cfg.num_layers, "fuse_projections": resolved.fuse_projections,
-               "skinny_matmuls": resolved.skinny_matmuls}
+               "layers": cfg.num_layers, "fuse_projections": config.fuse_projections,
+               "skinny_matmuls": resolved}
         try:
             row["compile_seconds"] = run_case(compiled, batch, context, k, width, device,
                                               lambda fn: timed_first_call(fn, device))
@@ -223,12 +232,12 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
         row["attention_seconds"] = attention[(k, batch, context)] * cfg.num_mla_layers
         row["rest_seconds"] = row["step_seconds"] - row["attention_seconds"]
         results.add(result, results.MAIN, row)
-        print(f"{lowering:>10} {inner:>8} skinny {resolved.skinny_matmuls:>3} ctx {context:>6} b {batch:>3} k {k} step {row['step_seconds'] * 1e3:8.2f} ms "
+        print(f"{lowering:>10} {inner:>8} skinny {resolved:>3} ctx {context:>6} b {batch:>3} k {k} step {row['step_seconds'] * 1e3:8.2f} ms "
               f"floor {row['floor_seconds'] * 1e3:7.2f} ms ({row['fraction_of_floor']:.0%}) attention "
               f"{row['attention_seconds'] * 1e3:7.2f} ms, first call {row.get('compile_seconds', float('nan')):6.1f} s "
               f"{row.get('error', '')}", flush=True)
     first = next(r for r in results.rows(result) if (r["lowering"], r["inner_compile"], r["skinny_matmuls"])
-                 == (lowering, inner, resolved.skinny_matmuls))
+                 == (lowering, inner, resolved))
     compile_row["cold_seconds"] = first.get("compile_seconds")
     del compiled, model
     if device.type == "cuda":
@@ -244,7 +253,7 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
             torch.cuda.empty_cache()
     torch._dynamo.reset()
     results.add(result, "compile", compile_row)
-    print(f"{lowering:>10} {inner:>8} skinny {resolved.skinny_matmuls:>3} compile: cold {compile_row['cold_seconds'] or float('nan'):.1f} s, warm "
+    print(f"{lowering:>10} {inner:>8} skinny {resolved:>3} compile: cold {compile_row['cold_seconds'] or float('nan'):.1f} s, warm "
           f"{compile_row.get('warm_seconds', float('nan')):.1f} s", flush=True)
 
 
