@@ -20,18 +20,14 @@ class DCPConfig:
 
     inner_compile: str = "auto"
     """Compiler run on the rewritten graph: 'eager' (run the FX graph), 'inductor', one of the
-    kernel back end's own (Lowering.inner_compilers: 'torchair' for kernels='npu'), or 'auto': the
-    back end's fastest measured one (inductor for flashinfer and triton on CUDA, eager elsewhere).
+    kernel back end's own (Lowering.inner_compilers, e.g. the NPU back end's torchair), or 'auto':
+    the back end's fastest measured one (Lowering.inner_compile).
     bind() records the compiler it resolved here."""
 
     kernels: str = "auto"
-    """The kernel back end (dcp_compile.lowering.registry): 'torch' reference kernels, 'triton'
-    kernels, 'flashinfer' (CUDA, Hopper: FlashInfer's MLA kernel for attention over the KV pool,
-    Triton for the rest; a torch stand-in of FlashInfer on CPU), 'npu' (Ascend: FIA for attention
-    over the KV pool, npu_attention_update for the merge; CPU stand-ins where torch_npu is
-    absent), one registered by the user, or 'auto' (on CUDA, flashinfer where it is installed and
-    serves the GPU and the model, else triton; npu on Ascend NPUs; torch elsewhere). apply()
-    records the back end it resolved here."""
+    """The kernel back end: a name registered in dcp_compile.lowering.registry (the built-in ones,
+    e.g. the torch reference kernels, or one registered by the user), or 'auto': the back end the
+    registry picks for the KV pool's device. bind() records the back end it resolved here."""
 
     options: object = ()
     """The kernel back end's options: its Options dataclass (Lowering.Options, e.g.

@@ -93,7 +93,7 @@ def attention_update_op():
 
 
 def fia_block_size(page_size: int, dcp_size: int, interleave: int, rule: str = "cann-2025") -> int:
-    """The FIA block size of pages of `page_size`; an error unless `rule` (DCPConfig.fia_block_sizes) allows it."""
+    """The FIA block size of pages of `page_size`; an error unless `rule` (NPUOptions.fia_block_sizes) allows it."""
     block_size = layout.require_local_block_size(page_size, dcp_size, interleave, "the NPU lowering (FIA's block table)")
     if block_size not in FIA_BLOCK_SIZES[rule]:
         allowed = "16 or 128" if rule == "cann-2025" else "a multiple of 16 up to 1024"
@@ -139,7 +139,7 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         return self.options.npu_verify != "mask" or self._unmaskable(site)
 
     def block_size(self, config: PassConfig) -> int:
-        # apply() checked the deployment's rule (DCPConfig.fia_block_sizes); here only FIA's outer bound.
+        # apply() checked the deployment's rule (NPUOptions.fia_block_sizes); here only FIA's outer bound.
         return fia_block_size(config.page_size, config.dcp_size, config.interleave, "cann-2026")
 
     def kernel(self, graph, site, q_latent, q_rope, decode, host, block_table, block_size):
