@@ -17,6 +17,7 @@ import dcp_compile
 from dcp_compile.lowering import registry
 from dcp_compile.debug import fake_capture
 from dcp_compile.lowering import flashinfer
+from dcp_compile.lowering.base import Unsupported
 from dcp_compile.lowering.flashinfer import plans as fi_plans
 from dcp_compile.testing.flashinfer_standin import MLAPlanMetadata, ReferenceMLAWrapper
 from dcp_compile.ops import reference
@@ -311,7 +312,6 @@ def test_a_flashinfer_without_the_mla_wrapper_is_named(monkeypatch):
     monkeypatch.setattr(flashinfer, "_module", lambda: SimpleNamespace())
     reason = flashinfer.unsupported_reason(torch.device("cuda"))
     assert "has no flashinfer.mla.BatchMLAPagedAttentionWrapper" in reason and ">= 0.7" in reason
-    with pytest.raises(RuntimeError, match="kernels='flashinfer': .*BatchMLAPagedAttentionWrapper"):
-        registry.get("flashinfer").check(None, SimpleNamespace(device=torch.device("cuda"), kv_lora_rank=512,
-                                                               rope_dim=64, dtype=torch.bfloat16, page_size=16),
-                                         dcp_compile.DCPConfig())
+    with pytest.raises(Unsupported, match="kernels='flashinfer': .*BatchMLAPagedAttentionWrapper"):
+        registry.get("flashinfer").check(SimpleNamespace(device=torch.device("cuda"), kv_lora_rank=512, rope_dim=64,
+                                                         dtype=torch.bfloat16, page_size=16), dcp_compile.DCPConfig())

@@ -6,6 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dcp_compile
+from dcp_compile.lowering import registry
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import PassConfig, PassManager
 from dcp_compile.passes import sites
 from dcp_compile.ops import targets
@@ -126,8 +130,11 @@ def test_disabling_a_pass(graph):
 
 
 def test_unknown_or_mandatory_pass_names_are_rejected():
+    with pytest.raises(ValueError, match="unknown pass"):  # every back end's passes are known to the registry
+        registry.check_pass_names(("shard_everything",))
+    registry.check_pass_names(("lower_projections", "split_kv_cache"))
     with pytest.raises(ValueError, match="unknown pass"):
-        PassManager(PassConfig(), disabled=("shard_everything",))
+        dcp_compile.apply(MLAModel(preset("tiny"), 64), 1, disabled_passes=("shard_everything",))
     with pytest.raises(ValueError, match="cannot be disabled"):
         PassManager(PassConfig(), disabled=("verify",))
 
