@@ -30,7 +30,7 @@ from rich.console import Console
 
 from bench.lib import result as results
 from bench.lib import tables
-from dcp_compile.debug.fake_capture import GraphSpec, capture
+from dcp_compile.debug.fake_capture import CapturedGraph, GraphSpec, capture
 from dcp_compile.passes.manager import PassManager
 
 GOAL_SECONDS = 1.0
@@ -41,13 +41,13 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
-def time_pipeline(gm, spec: GraphSpec, repeats: int) -> dict:
+def time_pipeline(captured: CapturedGraph, repeats: int) -> dict:
     walls, per_pass, report = [], {}, None
     for _ in range(repeats):
-        graph = copy.deepcopy(gm)
+        graph = copy.deepcopy(captured.gm)
         gc.collect()
         start = time.perf_counter()
-        report = PassManager(spec.pass_config()).run(graph)
+        report = PassManager(captured.pass_config()).run(graph)
         walls.append(time.perf_counter() - start)
         for record in report.records:
             per_pass.setdefault(record.name, []).append(record.milliseconds)
@@ -77,11 +77,11 @@ def linear_fit(points: list[tuple[int, float]]) -> dict:
             "r_squared": round(1 - residual / total, 4) if total else 1.0}
 
 
-def profile_top(gm, spec: GraphSpec, lines: int = 25) -> str:
-    graph = copy.deepcopy(gm)
+def profile_top(captured: CapturedGraph, lines: int = 25) -> str:
+    graph = copy.deepcopy(captured.gm)
     profiler = cProfile.Profile()
     profiler.enable()
-    PassManager(spec.pass_config()).run(graph)
+    PassManager(captured.pass_config()).run(graph)
     profiler.disable()
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(lines)
@@ -107,13 +107,13 @@ def main(argv=None) -> int:
         for layers in args.layers:
             spec = GraphSpec(model=args.model, layers=layers, dcp_size=dcp, tp_size=dcp, mode="decode", batch=args.batch)
             captured = capture(spec)
-            timing = time_pipeline(captured.gm, spec, args.repeats)
+            timing = time_pipeline(captured, args.repeats)
             rows.append({"dcp_size": dcp, "tp_size": dcp, "layers": layers,
                          "capture_seconds": round(captured.seconds, 2), **timing})
             console.print(f"DCP {dcp} x TP {dcp}, {layers} layers: {timing['median_ms']:.0f} ms "
                           f"(capture {captured.seconds:.1f} s)")
             if args.profile and dcp == args.dcp[-1] and layers == max(args.layers):
-                console.print(profile_top(captured.gm, spec))
+                console.print(profile_top(captured))
             del captured
     result["machine"]["load_average_1_5_15_after"] = [round(v, 2) for v in os.getloadavg()]
     fits = {str(dcp): linear_fit([(r["layers"], r["median_ms"]) for r in rows if r["dcp_size"] == dcp])

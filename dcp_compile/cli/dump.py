@@ -22,9 +22,10 @@ from dcp_compile.cli import backend_flags
 from dcp_compile.lowering import registry
 from dcp_compile.debug import dump as text_dump
 from dcp_compile.debug.fake_capture import (ATTENTION_STRATEGIES, DTYPES, MAX_BATCH, MAX_CONTEXT, MAX_LAYERS,
-                                            MAX_PAGE_TABLE_ENTRIES, MAX_PAGES, MODES, GraphSpec, capture)
+                                            MAX_PAGE_TABLE_ENTRIES, MAX_PAGES, GraphSpec, capture)
 from dcp_compile.models import hf_config
 from dcp_compile.models.config import PRESETS, MLAModelConfig
+from dcp_compile.workload import MODES
 from dcp_compile.passes.manager import PassManager
 from dcp_compile.ops.targets import WINDOW_QUERIES
 
@@ -171,12 +172,12 @@ def run(args) -> int:
 
         observers.append(DotDump(out, only=args.only))
     start = time.perf_counter()
-    report = PassManager(spec.pass_config(), args.disable, passes=spec.passes(), observers=observers).run(captured.gm)
+    report = PassManager(captured.pass_config(), args.disable, passes=captured.passes(), observers=observers).run(captured.gm)
     pipeline_seconds = time.perf_counter() - start
     data = text_dump.report_dict(report)
     graph_folder = writer.graph_folder(0)
 
-    decision = spec.strategy_decision()
+    decision = captured.strategy_decision()
     mla_before = data["passes"][0]["ops_before"].get(MLA_OP, 0)
     mla_left = data["passes"][-1]["ops_after"].get(MLA_OP, 0)
     facts = [

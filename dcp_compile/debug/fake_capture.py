@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from dcp_compile import cost_model, strategy
-from dcp_compile.binding import bind
+from dcp_compile.binding import Binding, bind
 from dcp_compile.models.config import MLAModelConfig, allowed_tp_sizes
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import default_passes
@@ -34,7 +34,7 @@ from dcp_compile.passes.base import PassConfig
 from dcp_compile.passes.cache_use import bind_pool
 from dcp_compile.runtime import parallel
 from dcp_compile.runtime.batch import RequestTable
-from dcp_compile.workload import DTYPES, MODES, Workload
+from dcp_compile.workload import DTYPES, Workload
 
 ATTENTION_STRATEGIES = ("auto",) + cost_model.STRATEGIES
 FAKE_TP_GROUP, FAKE_DCP_GROUP = "fake-tp-group", "fake-dcp-group"
@@ -129,27 +129,6 @@ class GraphSpec(Workload):
         return parallel.ParallelState(tp_size=self.tp, tp_rank=0, dcp_size=1, dcp_rank=0,
                                       tp_group_name=FAKE_TP_GROUP if self.tp > 1 else None)
 
-    def strategy_decision(self) -> cost_model.Decision:
-        """The strategy for this batch, as the compiled model decides it (strategy.decide)."""
-        cfg = self.model_config()
-        batch = strategy.BatchFacts(
-            query_tokens=self.query_tokens, rows=self.batch, width=self.context + self.new_tokens,
-            visible_keys=self.batch * sum(self.context + i + 1 for i in range(self.new_tokens)),
-            max_query_len=self.new_tokens)
-        model = strategy.ModelFacts(cfg.num_heads // self.tp, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                    torch.empty((), dtype=DTYPES[self.dtype]).element_size())
-        return strategy.decide(self.config(), self.lowering(), batch, model)
-
-    def pass_config(self) -> PassConfig:
-        return PassConfig(dcp_size=self.dcp_size, dcp_rank=0, interleave=self.interleave,
-                          dcp_group_name=FAKE_DCP_GROUP if self.dcp_size > 1 else None,
-                          debug_checks=self.debug_checks, attention_strategy=self.strategy_decision().strategy,
-                          page_size=self.page)
-
-    def passes(self) -> list:
-        """The pass pipeline of this workload's back end."""
-        return default_passes(self.lowering().passes())
-
     def describe(self) -> str:
         cfg = self.model_config()
         layers = f"{cfg.num_layers} layer{'s' if cfg.num_layers != 1 else ''}"
@@ -163,6 +142,38 @@ class CapturedGraph:
     gm: fx.GraphModule
     spec: GraphSpec
     seconds: float
+    binding: Binding | None
+    """What bind() resolved for the spec's pool (None for a model without MLA sites): the back end
+    and config the passes below run with, as apply() would run them."""
+
+    def lowering(self):
+        return self.binding.lowering if self.binding is not None else self.spec.lowering()
+
+    def config(self):
+        return self.binding.config if self.binding is not None else self.spec.config()
+
+    def strategy_decision(self) -> cost_model.Decision:
+        """The strategy for this batch, as the compiled model decides it (strategy.decide)."""
+        spec = self.spec
+        cfg = spec.model_config()
+        batch = strategy.BatchFacts(
+            query_tokens=spec.query_tokens, rows=spec.batch, width=spec.context + spec.new_tokens,
+            visible_keys=spec.batch * sum(spec.context + i + 1 for i in range(spec.new_tokens)),
+            max_query_len=spec.new_tokens)
+        model = strategy.ModelFacts(cfg.num_heads // spec.tp, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                    torch.empty((), dtype=DTYPES[spec.dtype]).element_size())
+        return strategy.decide(self.config(), self.lowering(), batch, model)
+
+    def pass_config(self) -> PassConfig:
+        spec, config = self.spec, self.config()
+        return PassConfig(dcp_size=spec.dcp_size, dcp_rank=0, interleave=spec.interleave,
+                          dcp_group_name=FAKE_DCP_GROUP if spec.dcp_size > 1 else None,
+                          debug_checks=spec.debug_checks, attention_strategy=self.strategy_decision().strategy,
+                          fuse_projections=config.fuse_projections == "on", page_size=spec.page)
+
+    def passes(self) -> list:
+        """The pass pipeline of the bound back end."""
+        return default_passes(self.lowering().passes())
 
 
 def _placeholder_outputs(gm: fx.GraphModule):
@@ -187,9 +198,11 @@ def capture(spec: GraphSpec) -> CapturedGraph:
     capacity = (spec.batch * pages_per_request + 1) * spec.page  # page 0 holds the reserved location 0
     model = MLAModel(cfg, kv_capacity=capacity, max_requests=spec.batch, par=spec.parallel_state(),
                      dtype=DTYPES[spec.dtype], device="meta", page_size=spec.page)
+    binding = None
     if model.kv_pool is not None:
         # As apply() does: the back end's checks, and the cache the passes see is this rank's shard in its layout.
-        bind(spec.config(), model.kv_pool, model).shard_pool(dcp_rank=0)
+        binding = bind(spec.config(), model.kv_pool, model)
+        binding.shard_pool(dcp_rank=0)
     table = RequestTable(spec.batch, per_request, capacity, page_size=spec.page)
     requests = list(range(spec.batch))
     if spec.context:
@@ -211,4 +224,4 @@ def capture(spec: GraphSpec) -> CapturedGraph:
     torch._dynamo.reset()
     if len(graphs) != 1:
         raise RuntimeError(f"expected one captured graph, got {len(graphs)}")
-    return CapturedGraph(graphs[0], spec, time.perf_counter() - start)
+    return CapturedGraph(graphs[0], spec, time.perf_counter() - start, binding)

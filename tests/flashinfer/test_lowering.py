@@ -131,7 +131,7 @@ def lowered(mode, dcp_size, **fields):
     spec = fake_capture.GraphSpec(model="tiny", kernels="flashinfer", mode=mode, dcp_size=dcp_size, page_size=PAGE * dcp_size,
                                   attention_strategy="gather-q", dtype="float32", **fields)
     captured = fake_capture.capture(spec)
-    PassManager(spec.pass_config(), passes=spec.passes()).run(captured.gm)
+    PassManager(captured.pass_config(), passes=captured.passes()).run(captured.gm)
     return captured.gm
 
 

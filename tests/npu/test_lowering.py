@@ -44,8 +44,8 @@ def lowered_graph(mode="decode", dcp_rank=0, **spec_fields):
     spec = fake_capture.GraphSpec(model="tiny-512", kernels="npu", block_size=16, mode=mode,
                                   attention_strategy="gather-q", **spec_fields)
     captured = fake_capture.capture(spec)
-    config = dataclasses.replace(spec.pass_config(), dcp_rank=dcp_rank)
-    PassManager(config, passes=spec.passes()).run(captured.gm)
+    config = dataclasses.replace(captured.pass_config(), dcp_rank=dcp_rank)
+    PassManager(config, passes=captured.passes()).run(captured.gm)
     return captured.gm, spec
 
 
