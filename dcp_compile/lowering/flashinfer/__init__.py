@@ -8,7 +8,7 @@ builds that plan from the runtime's host metadata (per-rank local lengths and lo
 which `RequestTable` keeps).
 
 flashinfer is imported lazily: where it is absent (CPU, CI) the same plans run a schema-faithful
-torch stand-in of the wrapper (`standin.ReferenceMLAWrapper`), so the lowering is tested end to
+torch stand-in of the wrapper (`testing/flashinfer_standin.ReferenceMLAWrapper`), so the lowering is tested end to
 end without a GPU.
 """
 

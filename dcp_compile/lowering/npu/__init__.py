@@ -2,7 +2,7 @@
 rank's local KV pages, and `npu_attention_update` for the LSE merge.
 
 `torch_npu` is imported lazily, only when the NPU lowering is asked for: where it is not
-installed (CPU machines, CI) the schema-exact stand-ins of `standin.py` provide the same
+installed (CPU machines, CI) the schema-exact stand-ins of `dcp_compile/testing/npu_standin.py` provide the same
 `torch.ops.npu.*` ops, so the lowering is built and tested on CPU. The facts it relies on are in
 docs/ascend.md, cited by section where a choice rests on them.
 """
