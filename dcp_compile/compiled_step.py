@@ -4,8 +4,10 @@ and the transformers front end's DCPTransformersModel (dcp_compile/hf/model.py).
 What a front end gets from CompiledStep:
 - the dynamo variants: a static and a symbolic-shape compile of its function per strategy,
   each through the strategy's DCPBackend, under recompile limits that suit one graph per shape;
-- `guarded()`, around a whole step: the failure latch (runtime/failure.py) and the device
-  error flags (runtime/guards.py), read back after each step and raised at the next;
+- `guarded()`, around a whole step: one step at a time per model (a second thread waits for
+  the first's step: a step's host inputs sit in the model's one host slot), the failure latch
+  (runtime/failure.py) and the device error flags (runtime/guards.py), read back after each
+  step and raised at the next;
 - `run()`, the compiled call: the DCP peers' agreement on the batch shapes (runtime/peers.py),
   the step's host metadata in the host slot (runtime/host_inputs.py), and the passes' own
   errors raised as they are, not wrapped in dynamo's compiler-failure report.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +131,9 @@ class CompiledStep:
         self._errors = PASS_ERRORS + tuple(errors)
         config, groups = state.config, state.parallel
         self._latch = FailureLatch(has_peers=groups.tp_size > 1 or config.dcp_size > 1)
+        # One step at a time per model: a step's host inputs sit in the model's one host slot.
+        self._one_step = threading.Lock()
+        self._stepping_thread: int | None = None
         self._peers = ShapeAgreement(config.dcp_size, groups.dcp_rank, groups.dcp_group_name)
         # The device the kernels flag errors on: the cache's (npu:0, not the pool's npu).
         self._flags = guards.ErrorWatcher(state.kv_pool.cache(0).device)
@@ -147,17 +153,26 @@ class CompiledStep:
 
     @contextlib.contextmanager
     def guarded(self):
-        """Around one whole step (its host-side checks included): refuse it after a failed one
+        """Around one whole step (its host-side checks included): wait for a step another thread
+        runs on this model (steps of one model run one at a time), refuse it after a failed one
         where the rank has peers, raise the device error flags an earlier step set, and start
         reading back those this one sets."""
-        self._latch.check()
-        try:
-            self._flags.raise_if_set(wait=False)
-            yield
-            self._flags.watch()
-        except BaseException as exc:
-            self._latch.record(exc)
-            raise
+        if self._stepping_thread == threading.get_ident():
+            raise RuntimeError("a step of this model called the model again from inside the step (a re-entrant call): "
+                               "steps of one model run one at a time")
+        with self._one_step:
+            self._stepping_thread = threading.get_ident()
+            try:
+                self._latch.check()
+                try:
+                    self._flags.raise_if_set(wait=False)
+                    yield
+                    self._flags.watch()
+                except BaseException as exc:
+                    self._latch.record(exc)
+                    raise
+            finally:
+                self._stepping_thread = None
 
     def check_errors(self) -> None:
         """Wait for the last step's device error flags and raise if one was set."""
