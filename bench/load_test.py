@@ -151,6 +151,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench/results/load_test_cpu.json")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup} (>= 0): memory is checked over the steps "
+                     "after the warm-up")
     ranks = spawn(run_on_rank, 2, args.steps, args.warmup, args.seed, timeout=300)
     ok = all(r["mismatches"] == 0 and r["argmax_flips"] == 0 and r["memory_mib"]["growth_after_warmup"] <= args.max_growth_mib
              for r in ranks)
