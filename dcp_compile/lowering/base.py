@@ -117,8 +117,12 @@ class Lowering:
         return reasons
 
     def check(self, pool, config, model=None) -> None:
-        """Raise Unsupported with every reason unsupported_reasons gives."""
+        """Raise Unsupported with every reason unsupported_reasons gives, and for an inner
+        compiler it does not run under."""
         reasons = self.unsupported_reasons(pool, config, model)
+        if config.inner_compile not in ("auto", *self.inner_compilers):
+            reasons.append(f"its graphs run under inner_compile {' or '.join(map(repr, self.inner_compilers))}, "
+                           f"not {config.inner_compile!r}")
         if reasons:
             raise Unsupported(f"kernels={self.name!r}: " + "; ".join(reasons))
 

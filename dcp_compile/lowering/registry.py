@@ -91,7 +91,7 @@ def options_for(lowering: Lowering, given=()) -> Options:
     """`lowering`'s Options from DCPConfig.options: an instance of them, or option values by
     name; a name it does not read is an error naming the back end that does."""
     if isinstance(given, Options):
-        if not isinstance(given, lowering.Options):
+        if type(given) is not lowering.Options:
             raise ValueError(f"options {given!r} are not kernels={lowering.name!r}'s ({lowering.Options.__name__})")
         return given
     values = dict(given or ())

@@ -18,6 +18,7 @@ import dcp_compile
 from dcp_compile.cli.main import main as cli_main
 from dcp_compile.harness.scenario import Scenario, run_on_rank, summarize
 from dcp_compile.lowering import registry
+from dcp_compile.lowering.base import Unsupported
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime.launch import spawn
@@ -73,6 +74,12 @@ def test_its_options_and_layout_are_its_own():
                           reference_paged_layout="split")
     with pytest.raises(ValueError, match="reference_paged_layout must be one of"):
         reference_paged.ReferencePagedOptions("nz")
+    with pytest.raises(ValueError, match="are not kernels='torch''s"):  # another back end's Options, whole
+        dcp_compile.apply(MLAModel(preset("tiny"), 512, max_requests=2), 1, kernels="torch",
+                          options=reference_paged.ReferencePagedOptions("split"))
+    with pytest.raises(Unsupported, match="its graphs run under inner_compile 'eager' or 'inductor', not 'torchair'"):
+        dcp_compile.apply(MLAModel(preset("tiny"), 512, max_requests=2, page_size=128), 1, kernels=reference_paged.NAME,
+                          inner_compile="torchair")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

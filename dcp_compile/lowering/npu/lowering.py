@@ -55,9 +55,6 @@ class NPULowering(Lowering):
                            f"{pool.kv_lora_rank} and {pool.rope_dim}")
         if config.dcp_size > MAX_UPDATE_SHARDS:
             reasons.append(f"npu_attention_update merges at most {MAX_UPDATE_SHARDS} shards, dcp_size is {config.dcp_size}")
-        if config.inner_compile not in ("auto", *self.inner_compilers):
-            reasons.append(f"it runs with inner_compile in {list(self.inner_compilers)}, not {config.inner_compile!r} "
-                           "(inductor does not lower the torch_npu ops)")
         if pool.device.type == "npu" and self._interpreter_off():
             reasons.append("on the emulated npu device its Triton kernels (KV writes, window attention, pack and merge) "
                            "run in Triton's interpreter: set TRITON_INTERPRET=1 too")
