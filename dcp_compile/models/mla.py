@@ -144,9 +144,9 @@ class LinearAttentionLayer(nn.Module):
             "state", torch.zeros(max_requests + 1, self.heads, self.head_dim, self.head_dim, device=weights.device), persistent=False
         )
 
-    def forward(self, x, q_seq_ids, state_slots):
+    def forward(self, x, q_seq_ids, state_slots, positions):
         q, k, v = (F.linear(x, w).view(x.shape[0], self.heads, self.head_dim) for w in self.qkv)
-        o = linear_attention(q, F.normalize(k, dim=-1), v, self.state, q_seq_ids, state_slots, 0.9)
+        o = linear_attention(q, F.normalize(k, dim=-1), v, self.state, q_seq_ids, state_slots, positions, 0.9)
         return all_reduce(F.linear(o.reshape(x.shape[0], -1), self.o_proj), self.tp_group_name)
 
 
@@ -189,7 +189,7 @@ class DecoderLayer(nn.Module):
         if self.kind == "mla":
             h = h + self.attn(x, positions, q_seq_ids, out_loc, req_to_token, seq_lens)
         else:
-            h = h + self.attn(x, q_seq_ids, state_slots)
+            h = h + self.attn(x, q_seq_ids, state_slots, positions)
         return h + self.mlp(self.post_norm(h))
 
 
