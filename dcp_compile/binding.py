@@ -52,10 +52,10 @@ def bind(config: DCPConfig, pool: MLAKVPool, model: nn.Module | None = None, *, 
     taken, and `who` names what runs it in that error (default: a model with unsplit heads).
     Raises, before anything is allocated or built, for a config the back end cannot serve."""
     lowering = registry.resolve(config.kernels, pool, config)
-    if replicated:
-        require_replicated_back_end(lowering, who or f"a model with unsplit heads (tp_size 1) at dcp_size {config.dcp_size}")
     lowering = lowering.configured(registry.options_for(lowering, config.options))  # an option it does not read raises
     lowering = lowering.configured(lowering.resolve_options(pool))
+    if replicated:  # on the configured back end: an option may choose its KV layout
+        require_replicated_back_end(lowering, who or f"a model with unsplit heads (tp_size 1) at dcp_size {config.dcp_size}")
     config = config.replace(kernels=lowering.name, options=lowering.options)
     if config.inner_compile == "auto":
         config = config.replace(inner_compile=lowering.inner_compile(pool))

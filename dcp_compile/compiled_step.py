@@ -125,8 +125,12 @@ class CompiledStep:
                  errors: tuple[type[BaseException], ...] = ()):
         raise_recompile_limit()
         self.state = state
-        self._function = function
-        self._compiled: dict[tuple[str, bool], object] = {}
+        # The static and the symbolic variant share the strategy's backend (its pass manager and
+        # reports) through distinct callables: dynamo keys its cache by the backend object, so a
+        # static call never reuses a symbolic graph. Made here, so no two threads make one twice.
+        self._compiled = {(name, symbolic): torch.compile(function, backend=_Variant(backend), fullgraph=True,
+                                                          dynamic=False)
+                          for name, backend in state.backends.items() for symbolic in (False, True)}
         self._too_many_shapes = too_many_shapes
         self._errors = PASS_ERRORS + tuple(errors)
         config, groups = state.config, state.parallel
@@ -142,14 +146,7 @@ class CompiledStep:
         """The compiled function of one strategy, static or symbolic in the batch shape."""
         if strategy_name not in self.state.backends:
             raise ValueError(f"no {strategy_name!r} variant; this model has {sorted(self.state.backends)}")
-        key = (strategy_name, symbolic)
-        if key not in self._compiled:
-            # The static and the symbolic variant share the strategy's backend (its pass manager and
-            # reports) through distinct callables: dynamo keys its cache by the backend object, so a
-            # static call never reuses a symbolic graph.
-            backend = _Variant(self.state.backends[strategy_name])
-            self._compiled[key] = torch.compile(self._function, backend=backend, fullgraph=True, dynamic=False)
-        return self._compiled[key]
+        return self._compiled[(strategy_name, symbolic)]
 
     @contextlib.contextmanager
     def guarded(self):
@@ -175,8 +172,10 @@ class CompiledStep:
                 self._stepping_thread = None
 
     def check_errors(self) -> None:
-        """Wait for the last step's device error flags and raise if one was set."""
-        self._flags.raise_if_set(wait=True)
+        """Wait for the last step's device error flags and raise if one was set (after the step
+        another thread may be running on this model)."""
+        with self._one_step:
+            self._flags.raise_if_set(wait=True)
 
     def run(self, strategy_name: str, args: tuple, kwargs: dict, host_metadata: HostMetadata | None = None, *,
             symbolic: bool = False):

@@ -10,6 +10,20 @@ from dcp_compile.lowering.base import Options
 FUSE_PROJECTIONS = ("auto", "on", "off")
 
 
+def option_values(values) -> tuple[tuple[str, object], ...]:
+    """Back-end option values by name (a dict, or (name, value) pairs) as sorted pairs, so that
+    equal options give equal, hashable configs."""
+    try:
+        pairs = tuple(sorted(dict(values or ()).items()))
+        hash(pairs)
+    except (TypeError, ValueError):
+        raise ValueError(f"options must be a back end's Options or option values by name (hashable), got {values!r}") \
+            from None
+    if not all(isinstance(name, str) for name, _ in pairs):
+        raise ValueError(f"option names are strings, got {values!r}")
+    return pairs
+
+
 @dataclass(frozen=True)
 class DCPConfig:
     dcp_size: int = 1
@@ -67,11 +81,8 @@ class DCPConfig:
             raise ValueError(f"inner_compile must be one of {list(registry.inner_compilers())}, got {self.inner_compile!r}")
         if self.kernels != registry.AUTO:
             registry.get(self.kernels)  # raises for a name no back end is registered under
-        if isinstance(self.options, dict):
-            object.__setattr__(self, "options", tuple(sorted(self.options.items())))
-        if not isinstance(self.options, (tuple, Options)) or \
-                (isinstance(self.options, tuple) and not all(isinstance(p, tuple) and len(p) == 2 for p in self.options)):
-            raise ValueError(f"options must be a back end's Options or option values by name, got {self.options!r}")
+        if not isinstance(self.options, Options):
+            object.__setattr__(self, "options", option_values(self.options))
         if self.fuse_projections not in FUSE_PROJECTIONS:
             raise ValueError(f"fuse_projections must be one of {FUSE_PROJECTIONS}, got {self.fuse_projections!r}")
         if not isinstance(self.debug_checks, bool):

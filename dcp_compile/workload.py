@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dcp_compile import cost_model
-from dcp_compile.config import DCPConfig
+from dcp_compile.config import DCPConfig, option_values
 from dcp_compile.lowering import registry
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.models.config import MLAModelConfig, preset
@@ -89,8 +89,7 @@ class Workload:
         cost_model.check_strategy(self.attention_strategy)
         if self.inner_compile not in registry.inner_compilers():
             raise ValueError(f"inner-compile must be one of {list(registry.inner_compilers())}, got {self.inner_compile!r}")
-        if isinstance(self.options, dict):
-            object.__setattr__(self, "options", tuple(sorted(self.options.items())))
+        object.__setattr__(self, "options", option_values(self.options))
         lowering = self.lowering()  # an unknown back end, or an option it does not read, raises here
         if self.model is None:
             object.__setattr__(self, "model", SMALL_PRESETS.get(lowering.model_dims, "tiny"))
@@ -124,9 +123,10 @@ class Workload:
         return self.dcp_size if self.tp_size is None else self.tp_size
 
     def lowering(self) -> Lowering:
-        """The back end `kernels` names; for 'auto', the one it resolves to on this device (the
-        page rules of CUDA's two, FlashInfer and Triton, are the same: any page)."""
-        name = self.kernels if self.kernels != registry.AUTO else ("npu" if self.device_type == "npu" else "torch")
+        """The back end `kernels` names; for 'auto', the one it falls back to on this device (what
+        its demo and dump checks read: the options and page rules of CUDA's two, FlashInfer and
+        Triton, are the same; bind() picks the one that serves the pool)."""
+        name = self.kernels if self.kernels != registry.AUTO else registry.auto_choices(self.device_type)[-1]
         lowering = registry.get(name)
         return lowering.configured(registry.options_for(lowering, self.options))
 

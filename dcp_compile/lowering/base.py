@@ -57,12 +57,8 @@ class Options:
         for field in dataclasses.fields(self):
             choices = field.metadata.get("choices")
             value = getattr(self, field.name)
-            if choices is not None and (value not in choices or isinstance(value, bool) != isinstance(choices[0], bool)):
+            if choices is not None and (value not in choices or type(value) is not type(choices[0])):
                 raise ValueError(f"{field.name} must be one of {list(choices)}, got {value!r}")
-
-    def changed(self) -> dict:
-        """The options set away from their defaults."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
 
 
 class Lowering:
@@ -103,7 +99,8 @@ class Lowering:
 
     def unsupported_reasons(self, pool, config, model=None) -> list[str]:
         """Why it cannot serve `pool` (its device, widths, dtype, pages), `model` and `config`
-        (every 'auto' resolved); empty where it can. By default: model_dims, dtypes, check_layout."""
+        (resolved by bind(); 'auto' fields may still stand where the registry or the demo asks
+        early); empty where it can. By default: model_dims, dtypes, check_layout."""
         reasons = []
         if self.model_dims is not None and (pool.kv_lora_rank, pool.rope_dim) != self.model_dims:
             reasons.append(f"its kernels need kv_lora_rank {self.model_dims[0]} and a rope dim of {self.model_dims[1]}, "

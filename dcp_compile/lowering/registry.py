@@ -111,16 +111,19 @@ def resolve(kernels: str, pool, config) -> Lowering:
     once with the reason); the torch reference elsewhere."""
     if kernels != AUTO:
         return get(kernels)
-    device = pool.device.type
-    if device == "npu":
-        return get("npu")
-    if device == "cuda":
-        reasons = get("flashinfer").unsupported_reasons(pool, config)
+    *preferred, fallback = auto_choices(pool.device.type)
+    for name in preferred:
+        reasons = get(name).unsupported_reasons(pool, config)
         if not reasons:
-            return get("flashinfer")
-        log.info("kernels='auto': the Triton attention kernel, not FlashInfer: %s", "; ".join(reasons))
-        return get("triton")
-    return get("torch")
+            return get(name)
+        log.info("kernels='auto': %s, not %s: %s", fallback, name, "; ".join(reasons))
+    return get(fallback)
+
+
+def auto_choices(device_type: str) -> tuple[str, ...]:
+    """The back ends kernels='auto' picks from on a device, best first; the last is taken where
+    none before it serves the pool."""
+    return {"npu": ("npu",), "cuda": ("flashinfer", "triton")}.get(device_type, ("torch",))
 
 
 def _register_builtins() -> None:

@@ -32,20 +32,8 @@ window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table,
     Adds each row's keys at or after its first query (the last <= window entries) to a paged
     kernel's unmasked attention over the keys before it (verify under the paged lowerings:
     docs/paged-lowerings.md). window <= WINDOW_QUERIES.
-prefix_key_counts(local_lens, key_positions, q_seq_ids, q_positions, whole_rows) -> [T]
-    The keys a paged prefix kernel attends over for each query token (its row's local keys, or
-    those before the row's first query): a lowering masks the tokens whose count is 0.
-rank_causal_mask(key_positions [B, L], local_lens [B], q_positions [T], width) -> (mask [B, 1, S, width] bool,
-                 visible [T])
-    Each query's keys on this rank at or before its position, as a rank-local causal mask over
-    the row's local keys in position order (True = masked: FIA's), for rows of S = T / B queries;
-    visible counts them. Ascend's masked verify (docs/ascend.md §15.3).
-nz_kv_blocks(kv_cache [rows, R + P], R, block) -> (latent [blocks, 1, R/16, block, 16], rope [.., P/16, ..])
-    The NZ views FIA reads of a layer's cache. The nz KV layout's parts are these views
-    themselves (lowering/kv_layout.SplitKVCache points the op's users there); of a packed cache,
-    NZ copies.
-split_partials(packed [N, T, H, R + w], R) -> (outs [N, T*H, R], lses [N, T*H] fp32)
-    The exchanged partials as npu_attention_update's inputs, with the all-empty-row guard.
+(The NPU back end's own ops, dcp_npu::prefix_key_counts, rank_causal_mask, nz_kv_blocks and
+split_partials, are in lowering/npu/ops.py.)
 check_host_metadata(block_table, req_to_token, seq_lens, q_seq_ids, q_positions, r, N, I, block_size,
                     host lengths...) -> block_table copy; raises where the host-fed inputs of a paged
     kernel disagree with the batch tensors (debug; a registered side effect).
@@ -59,7 +47,6 @@ from torch.library import custom_op
 from dcp_compile.ops import reference
 from dcp_compile.ops import nz
 from dcp_compile.runtime import devices
-from dcp_compile.runtime.batch import WINDOW_QUERIES
 
 
 @custom_op("dcp::sharded_kv_write", mutates_args=("kv_cache", "rope_cache"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dcp_compile.ops import cache_view, canonical, internal  # noqa: F401 - registers the ops
-from dcp_compile.ops.internal import WINDOW_QUERIES
+from dcp_compile.runtime.batch import WINDOW_QUERIES
 
 __all__ = ["WINDOW_QUERIES"]
 

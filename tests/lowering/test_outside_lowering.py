@@ -114,3 +114,20 @@ def test_dump_picks_the_strategy_a_real_run_picks(tmp_path):
                      "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "dump.json").read_text())
     assert report["attention_strategy"]["strategy"] == "gather-kv", report["attention_strategy"]
+
+
+def test_auto_checks_options_against_the_devices_back_ends():
+    """kernels='auto' with a back-end option: the demo's early check takes the back end 'auto'
+    falls back to on the device (triton on CUDA, whose options FlashInfer shares), not torch."""
+    from dcp_compile.workload import Workload
+
+    class OnCuda(Workload):
+        device_type = "cuda"
+
+    assert registry.auto_choices("cuda") == ("flashinfer", "triton")
+    assert OnCuda(options={"skinny_matmuls": "off"}).lowering().name == "triton"
+    with pytest.raises(ValueError, match="is an option of kernels='triton'; kernels='torch' does not read it"):
+        Workload(options={"skinny_matmuls": "off"})
+    assert dcp_compile.DCPConfig(options={"b": 1, "a": 2}) == dcp_compile.DCPConfig(options=(("b", 1), ("a", 2)))
+    with pytest.raises(ValueError, match="hashable"):
+        dcp_compile.DCPConfig(options={"a": [1]})

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from dcp_compile.lowering.npu.options import TORCHAIR_MODES
 from dcp_compile.runtime.devices import require_torch_npu
 
-TORCHAIR_MODES = ("reduce-overhead", "npugraph_ex")
 
 
 def torchair_compiler(mode: str = "reduce-overhead"):
