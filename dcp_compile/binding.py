@@ -32,8 +32,6 @@ class Binding:
     pool: MLAKVPool
     strategies: tuple[str, ...]
     """The attention strategies to compile, one backend each."""
-    replicated: bool
-    """Whether every rank runs every head (replicated-q at dcp_size > 1)."""
 
     def shard_pool(self, dcp_rank: int, kv_keep: str = "memory") -> None:
         """Reallocate the pool as rank `dcp_rank`'s shard of the DCP group, held as the back end
@@ -67,4 +65,4 @@ def bind(config: DCPConfig, pool: MLAKVPool, model: nn.Module | None = None, *, 
         strategies = (REPLICATED_Q,) if config.dcp_size > 1 else ("gather-q",)
     else:
         strategies = lowering.strategies(config.dcp_size)
-    return Binding(config, lowering, pool, strategies, replicated)
+    return Binding(config, lowering, pool, strategies)

@@ -14,17 +14,16 @@ def _flag(field: dataclasses.Field) -> str:
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
 
 
-def _fields() -> dict[str, tuple[dataclasses.Field, list[str]]]:
-    """option name -> (its field, the back ends that read it)."""
-    found: dict[str, tuple[dataclasses.Field, list[str]]] = {}
-    for name in registry.names()[1:]:
-        for field in dataclasses.fields(registry.get(name).Options):
-            found.setdefault(field.name, (field, []))[1].append(name)
-    return found
+def _given(args):
+    """(option name, its field, the flag's text) of every option flag given."""
+    for name, (field, _) in registry.option_fields().items():
+        text = getattr(args, f"option_{name}", None)
+        if text is not None:
+            yield name, field, text
 
 
 def add(p) -> None:
-    for name, (field, owners) in _fields().items():
+    for name, (field, owners) in registry.option_fields().items():
         choices = field.metadata.get("flag_choices", field.metadata.get("choices"))
         typed = field.metadata.get("parse") is None and choices is not None and not isinstance(choices[0], str)
         p.add_argument(_flag(field), dest=f"option_{name}", default=None, choices=choices,
@@ -34,20 +33,10 @@ def add(p) -> None:
 
 def values(args) -> dict:
     """The option values the flags gave, by name."""
-    given = {}
-    for name, (field, _) in _fields().items():
-        value = getattr(args, f"option_{name}", None)
-        if value is not None:
-            parse = field.metadata.get("parse")
-            given[name] = parse(value) if parse is not None else value
-    return given
+    return {name: field.metadata["parse"](text) if "parse" in field.metadata else text
+            for name, field, text in _given(args)}
 
 
 def spelled(args) -> list[str]:
     """The option flags given, as they were typed (to reproduce a command)."""
-    parts = []
-    for name, (field, _) in _fields().items():
-        value = getattr(args, f"option_{name}", None)
-        if value is not None:
-            parts += [_flag(field), str(value)]
-    return parts
+    return [part for _, field, text in _given(args) for part in (_flag(field), str(text))]

@@ -76,7 +76,8 @@ class Lowering:
     dtypes: tuple[torch.dtype, ...] | None = None
     """KV cache dtypes its kernels take, or None for any."""
     kv_layout: KVLayout = PACKED
-    """How the pool holds a layer's rows for its kernels (a KVLayout the pool allocates)."""
+    """How the pool holds a layer's rows for its kernels (a KVLayout the pool allocates); a back end
+    whose options choose it makes this a property of its options."""
     plans_on_host: bool = False
     """Whether its kernels read host metadata of each step (lengths, block tables, plans)."""
     inner_compilers: tuple[str, ...] = GENERIC_INNER_COMPILERS

@@ -81,10 +81,19 @@ def inner_compilers() -> tuple[str, ...]:
     return (AUTO, *dict.fromkeys(name for lowering in _LOWERINGS.values() for name in lowering.inner_compilers))
 
 
+def option_fields() -> dict[str, tuple[dataclasses.Field, list[str]]]:
+    """Every registered back end's options: name -> (its dataclass field, the back ends that read it)."""
+    _load_plugins()
+    found: dict[str, tuple[dataclasses.Field, list[str]]] = {}
+    for name, lowering in _LOWERINGS.items():
+        for field in dataclasses.fields(lowering.Options):
+            found.setdefault(field.name, (field, []))[1].append(name)
+    return found
+
+
 def option_owners(option: str) -> list[str]:
     """The back ends whose Options have a field named `option`."""
-    _load_plugins()
-    return [name for name, lowering in _LOWERINGS.items() if option in {f.name for f in dataclasses.fields(lowering.Options)}]
+    return option_fields().get(option, (None, []))[1]
 
 
 def options_for(lowering: Lowering, given=()) -> Options:

@@ -105,14 +105,13 @@ class ReferencePaged(Lowering):
     Options = ReferencePagedOptions
     options = ReferencePagedOptions()
 
-    def configured(self, options: ReferencePagedOptions) -> "ReferencePaged":
-        lowering = super().configured(options)
-        if lowering is not self:
-            split = options.reference_paged_layout == "split"
-            lowering.kv_layout = ReferenceSplitLayout() if split else Lowering.kv_layout
-        return lowering
     window = WINDOW_QUERIES
     plans_on_host = True
+
+    @property
+    def kv_layout(self):
+        """Its own layout where its option asks for it, else the pool's packed rows."""
+        return ReferenceSplitLayout() if self.options.reference_paged_layout == "split" else Lowering.kv_layout
 
     def static_shapes(self, strategy: str, inner_compile: str) -> bool:
         return strategy == "gather-q"

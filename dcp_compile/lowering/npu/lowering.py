@@ -30,17 +30,15 @@ class NPULowering(Lowering):
     options = NPUOptions()
     window = WINDOW_QUERIES
     plans_on_host = True
-    kv_layout = SplitLayout()  # FIA copies strided key views whole (docs/ascend.md §11.1)
     model_dims = (512, 64)  # FIA's MLA path (docs/ascend.md §4.1)
     dtypes = (torch.bfloat16, torch.float16)  # docs/ascend.md §4.6
     inner_compilers = ("eager", "torchair")  # inductor does not lower the torch_npu ops
     baseline = "npu"  # the stand-in's bf16 FIA rounds unlike the reference: compare FIA with FIA
 
-    def configured(self, options: NPUOptions) -> "NPULowering":
-        lowering = super().configured(options)
-        if lowering is not self:
-            lowering.kv_layout = NZLayout() if options.npu_kv_format == "nz" else SplitLayout()
-        return lowering
+    @property
+    def kv_layout(self):
+        """Split, as FIA copies strided key views whole (docs/ascend.md §11.1); NZ where its options say."""
+        return NZLayout() if self.options.npu_kv_format == "nz" else SplitLayout()
 
     def unsupported_reasons(self, pool, config, model=None) -> list[str]:
         if pool.device.type not in ("npu", "meta"):
