@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dcp_compile.runtime import parallel
 from dcp_compile.runtime.devices import require_torch_npu
 
 PR_SET_PDEATHSIG = 1
@@ -101,7 +102,7 @@ def _worker(rank: int, world_size: int, parent_pid: int, port: int, backend: str
         require_torch_npu("the HCCL backend")
         torch.npu.set_device(rank)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=check_timeout(timeout))
+        _init_world(backend, check_timeout(timeout), rank=rank, world_size=world_size)
         results.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException as exc:  # reported to the parent, which raises
         if "timed out" in str(exc).lower():
@@ -206,5 +207,12 @@ def init_from_env(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S
         if not torch.cuda.is_available() or not dist.is_nccl_available():
             raise RuntimeError("backend 'nccl' asked for, but no CUDA GPU or NCCL is available")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=check_timeout(timeout))
+    _init_world(backend, check_timeout(timeout))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _init_world(backend: str, timeout: datetime.timedelta, **rendezvous) -> None:
+    """init_process_group, recording its timeout for the TP and DCP groups built later: read back
+    from the backend it may be unknown (the emulated HCCL's Python process group reports none)."""
+    dist.init_process_group(backend, timeout=timeout, **rendezvous)
+    parallel.record_world_timeout(timeout)

@@ -32,9 +32,21 @@ class ParallelState:
     dcp_group_name: str | None = None
 
 
+_WORLD_TIMEOUT: list = [None, None]
+"""[world group, the timeout its launcher passed to init_process_group]: record_world_timeout's."""
+
+
+def record_world_timeout(timeout: datetime.timedelta) -> None:
+    """Keep the timeout just given to init_process_group, for the TP and DCP groups built on this
+    world later (dist.new_group does not inherit it: a subgroup gets torch's default of 30 minutes).
+    The launchers (dcp_compile.runtime.launch) call it; a rank that calls init_process_group itself
+    should too, where its backend does not report its timeout (see world_timeout)."""
+    _WORLD_TIMEOUT[:] = [dist.distributed_c10d._get_default_group(), timeout]
+
+
 def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
-    """The timeout a process group's collectives wait for a peer (None where its backend does not
-    say). dist.new_group does not inherit it: a subgroup gets torch's default of 30 minutes."""
+    """The timeout a process group's collectives wait for a peer, as its backend reports it (None
+    where it does not: gloo, NCCL and torch_npu's HCCL do; a Python process group may not)."""
     for device_type in group._device_types:
         try:
             return group._get_backend(torch.device(device_type)).options._timeout
@@ -43,14 +55,32 @@ def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
     return None
 
 
+def world_timeout() -> datetime.timedelta:
+    """The world group's timeout: the one recorded for it (record_world_timeout), else its
+    backend's report. Neither is an error rather than torch's 30 minutes for every subgroup."""
+    world = dist.distributed_c10d._get_default_group()
+    if _WORLD_TIMEOUT[0] is world:
+        return _WORLD_TIMEOUT[1]
+    timeout = group_timeout(world)
+    if timeout is None:
+        raise RuntimeError(
+            f"the world process group's timeout is unknown: its backend {dist.get_backend(world)!r} does not report "
+            "it and it was not recorded. Start the ranks with dcp_compile.runtime.launch (spawn, init_from_env), "
+            "call dcp_compile.runtime.parallel.record_world_timeout(timeout) after init_process_group, or pass "
+            "timeout= to parallel.build; else the TP and DCP groups would wait torch's default of 30 minutes for a "
+            "stalled peer"
+        )
+    return timeout
+
+
 def _group(ranks: list[int], timeout: datetime.timedelta | None) -> dist.ProcessGroup:
     """new_group is collective over the world, so every rank creates every block in one order.
-    The group waits `timeout` for a stalled peer, by default the world group's timeout."""
+    The group waits `timeout` for a stalled peer, by default the world group's (world_timeout)."""
     world = dist.distributed_c10d._get_default_group()
     if _GROUPS_WORLD[0] is not world:
         _GROUPS.clear()
         _GROUPS_WORLD[0] = world
-    timeout = timeout if timeout is not None else group_timeout(world)
+    timeout = timeout if timeout is not None else world_timeout()
     key = (tuple(ranks), timeout)
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(ranks, timeout=timeout)
