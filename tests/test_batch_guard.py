@@ -52,6 +52,30 @@ def test_a_seq_len_wider_than_the_page_table_is_an_error(model):
         model(*batch.args())
 
 
+def _kv(model) -> list[torch.Tensor]:
+    pool = model.model.kv_pool
+    return [pool.cache(layer).clone() for layer in range(pool.num_layers)]
+
+
+def test_a_refused_batch_writes_no_kv(model):
+    """A padded row whose token points at a live request's location is refused before the first
+    layer's KV write: the victim's KV and its next logits are a clean run's."""
+    table = RequestTable(2, 16, CAPACITY)
+    model(*table.extend_batch([0], [[3, 4, 5]]).args())
+    kv = _kv(model)
+    bad = table.extend_batch([1], [[6]], pad_rows=1)
+    bad.out_loc[1] = int(table.req_to_token[0, 1])  # the padded row writes request 0's second token
+    with pytest.raises(ValueError, match="row 1 has seq_len 0"):
+        model(*bad.args())
+    assert all(torch.equal(before, after) for before, after in zip(kv, _kv(model)))
+    table.truncate(1, 0)
+    logits = model(*table.extend_batch([0], [[7]]).args())
+    clean = dcp_compile.apply(MLAModel(preset("tiny"), kv_capacity=CAPACITY, max_requests=2), 1)
+    clean_table = RequestTable(2, 16, CAPACITY)
+    clean(*clean_table.extend_batch([0], [[3, 4, 5]]).args())
+    torch.testing.assert_close(logits, clean(*clean_table.extend_batch([0], [[7]]).args()), rtol=0, atol=0)
+
+
 def test_the_model_runs_on_after_a_rejected_batch(model):
     assert model(*_batch().args()).isfinite().all()
 

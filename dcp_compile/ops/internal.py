@@ -13,7 +13,7 @@ mla_partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_posi
                       q_seq_ids, q_positions, sm_scale) -> (out [T, H, R], lse [T, H] fp32)
 pack_partials(out [T, N*H, R], lse [T, N*H], N) -> [N, T, H, R + w]   (one all-to-all buffer)
 merge_partials(packed [N, T, H, R + w], R) -> [T, H, R]               (LSE merge over shards)
-guard_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity) -> (req_to_token, seq_lens, q_seq_ids)
+guard_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity) -> (req_to_token, seq_lens, q_seq_ids, out_loc)
     Always on: page-table entries in use inside the pool, lengths and row ids in range, no padded
     row writing KV; raises on the CPU, masks and sets the device's error flags elsewhere (a side
     effect: registered as one, so dead-code elimination keeps it when its outputs go unused).
@@ -132,13 +132,14 @@ def _(packed, kv_lora_rank):
 
 @custom_op("dcp::guard_batch", mutates_args=())
 def guard_batch(req_to_token: torch.Tensor, seq_lens: torch.Tensor, q_seq_ids: torch.Tensor, out_loc: torch.Tensor | None,
-                capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return reference.guard_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity)
 
 
 @guard_batch.register_fake
 def _(req_to_token, seq_lens, q_seq_ids, out_loc, capacity):
-    return req_to_token.new_empty(req_to_token.shape), seq_lens.new_empty(seq_lens.shape), q_seq_ids.new_empty(q_seq_ids.shape)
+    return (req_to_token.new_empty(req_to_token.shape), seq_lens.new_empty(seq_lens.shape), q_seq_ids.new_empty(q_seq_ids.shape),
+            q_seq_ids.new_empty(0) if out_loc is None else out_loc.new_empty(out_loc.shape))
 
 
 torch.fx.node.has_side_effect(torch.ops.dcp.guard_batch.default)

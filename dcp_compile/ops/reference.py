@@ -30,7 +30,8 @@ def guard_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity: int):
     pool [1, capacity), seq_lens inside [0, width], row ids inside [0, rows); and no token of a
     padded row (seq_len 0) writing KV. On the CPU a violation raises at once; on a device it is
     masked (see sanitize_batch) and its device error flag set without a host sync
-    (runtime/guards.py). Returns (req_to_token, seq_lens, q_seq_ids)."""
+    (runtime/guards.py). Returns (req_to_token, seq_lens, q_seq_ids, out_loc), out_loc with a
+    padded row's tokens writing location 0 (empty where out_loc is None)."""
     table, lens, ids, found = sanitize_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity)
     if req_to_token.device.type == "cpu":
         _raise_bad_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity, found)
@@ -38,7 +39,9 @@ def guard_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity: int):
         flags = guards.error_flags(req_to_token.device)
         for name, bad in found.items():
             flags[guards.INDEX[name]].bitwise_or_(bad.any().to(flags.dtype))
-    return table, lens, ids
+    if out_loc is None:
+        return table, lens, ids, q_seq_ids.new_empty(0)
+    return table, lens, ids, torch.where(found["padded_row_write"], layout.PADDING_LOC, out_loc)
 
 
 def sanitize_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity: int):

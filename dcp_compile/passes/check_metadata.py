@@ -1,14 +1,14 @@
 """Check each attention's query metadata against its sequence lengths (debug-checks mode only).
 
     before: mla_attention(..., req_to_token, seq_lens, q_seq_ids, q_positions, s)
-    after:  pos = dcp.check_metadata(req_to_token, seq_lens, q_seq_ids, q_positions, out_loc)   # once
+    after:  pos = dcp.check_metadata(req_to_token, seq_lens, q_seq_ids, q_positions, out_loc)   # once, first
             mla_attention(..., req_to_token, seq_lens, q_seq_ids, pos, s)
 
 Assumes: nothing about the mode; decode, verify and extend all satisfy 0 <= position < seq_len.
 Guarantees: positions outside [0, seq_len) of their request, seq_lens wider than the page table,
 row ids out of range, negative page-table entries, and a row with seq_len 0 whose tokens write KV
 (out_loc, the graph's KV write locations when they are one per query token: a real row taken
-for padding) raise ValueError before any attention runs; one check per distinct metadata.
+for padding) raise ValueError before the first KV write; one check per distinct metadata.
 Why a pass: a debug property of the deployment, not of the model.
 """
 
@@ -39,7 +39,7 @@ class CheckMetadata(GraphPass):
             if key not in checked:
                 tokens = fake_value(site.q_positions).shape
                 out_loc = next((w.loc for w in writes if maybe_same_shape(fake_value(w.loc).shape, tokens)), None)
-                with gm.graph.inserting_before(site.node):
+                with gm.graph.inserting_before(sites.first_kv_write(gm.graph, site.node, writes, (*key, out_loc))):
                     checked[key] = call(gm.graph, targets.CHECK_METADATA, *key, out_loc)
                 rewritten += 1
             site.node.replace_input_with(site.q_positions, checked[key])

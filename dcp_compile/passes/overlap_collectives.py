@@ -4,15 +4,16 @@
     after:  ...q path...  cat(q_lat, q_rope) -> all_gather  kv_a -> norm -> rope -> dcp.sharded_kv_write  wait -> attention
 
 For each all-gather (gather_q_attention's Q gather, gather_kv_attention's KV gather), the nodes
-before it, back to the previous collective or to the last node it depends on that writes state
-(a linear-attention layer's state update), are split in two, keeping the order within each part:
+before it, back to the previous collective, to the last node it depends on that writes state
+(a linear-attention layer's state update) or to the last node that writes what it reads (the KV
+write before a gather of the cache), are split in two, keeping the order within each part:
 those it depends on, then the all-gather, then the rest. The wait stays where it was, right
 before the first reader of the gathered tensor. On a GPU the collective then runs on its
 communicator's stream while the KV path (its projection, norm, rope and the sharded KV write)
 runs on the compute stream.
 
-Assumes: the nodes the all-gather depends on read no tensor that a node moved after it writes
-(checked per all-gather by storage; where one does, that all-gather is left where it is).
+Assumes: fake values tell which storage each node reads and writes (checked per all-gather: no
+node moves past a node that reads what it writes).
 Guarantees: a topological order of the same nodes; collectives and waits keep their order (no node
 moves across one, so every rank issues its collectives in the same order); a node that writes
 state keeps its order with respect to every node that reads what it writes.
@@ -80,20 +81,23 @@ def hoist(gather: fx.Node) -> bool:
     """Move the nodes of `gather`'s window that it does not depend on to after it. Returns whether
     any node moved."""
     window = _window(gather)
-    needed = _needed(gather, window)
-    # A needed node that writes state keeps its place among the other nodes: the window starts after it.
-    writers = [i for i, node in enumerate(window) if node in needed and keeps_state(node)]
-    if writers:
-        window = window[writers[-1] + 1:]
+    while True:
         needed = _needed(gather, window)
+        # A needed node that writes state keeps its place among the other nodes: the window starts after it.
+        writers = [i for i, node in enumerate(window) if node in needed and keeps_state(node)]
+        if writers:
+            window = window[writers[-1] + 1:]
+            needed = _needed(gather, window)
+        # The other nodes move past the needed nodes after them and past the gather, all pure now:
+        # a node that writes what those read (a KV write before a gather of the cache) stays, and
+        # the window starts after it.
+        needed_reads = set().union(_reads(gather), *(_reads(n) for n in needed))
+        clashes = [i for i, node in enumerate(window) if node not in needed and _writes(node) & needed_reads]
+        if not clashes:
+            break
+        window = window[clashes[-1] + 1:]
     rest = [n for n in window if n not in needed]
     if not rest:
-        return False
-    # The nodes in `rest` move past the needed nodes after them and past the gather, all pure
-    # now: none of those may read what a moved node writes.
-    rest_writes = set().union(*(_writes(n) for n in rest))
-    needed_reads = set().union(_reads(gather), *(_reads(n) for n in needed))
-    if rest_writes & needed_reads:
         return False
     anchor = gather
     for node in rest:

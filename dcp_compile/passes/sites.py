@@ -45,6 +45,17 @@ def find_kv_writes(graph: fx.Graph, sharded: bool = False) -> list[KVWriteSite]:
     return [KVWriteSite(n, *n.args[:4]) for n in _calls(graph, target)]
 
 
+def first_kv_write(graph: fx.Graph, site: fx.Node, writes, inputs) -> fx.Node:
+    """Where a check of `site`'s batch goes: before the graph's first KV write (or the site, if it
+    comes first), so that a refused batch writes nothing, but not before `inputs` exist."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    earliest = min([site, *(w.node for w in writes)], key=order.__getitem__)
+    defined = max((order[n] for n in inputs if isinstance(n, fx.Node)), default=-1)
+    if order[earliest] > defined:
+        return earliest
+    return next(n for n in graph.nodes if order[n] > defined)
+
+
 def find_attention_sites(graph: fx.Graph) -> list[AttentionSite]:
     return [AttentionSite(n, *n.args) for n in _calls(graph, ATTENTION)]
 

@@ -74,7 +74,7 @@ def test_dcp_size_one_only_gets_the_batch_guard(graph):
     assert all(r.sites == 0 for r in report.records if r.name not in ("guard_batch", "verify"))
     assert report.sites("guard_batch") == 1  # one per distinct metadata, shared by the layers
     before, after = rec.ops("check_locations", "before"), rec.ops("verify", "after")
-    assert after - before == {"dcp::guard_batch": 1, "getitem": 3} and not before - after
+    assert after - before == {"dcp::guard_batch": 1, "getitem": 4} and not before - after
 
 
 @pytest.mark.parametrize("dcp_size", [1, 2])
@@ -84,7 +84,11 @@ def test_every_attention_reads_guarded_metadata(graph, dcp_size):
     assert len(guards) == 1
     guard = guards[0]
     writes = sites.find_kv_writes(gm.graph, sharded=dcp_size > 1)
-    assert guard.args[3] is writes[0].loc  # padded rows are checked against the KV write locations
+    out_loc = next(n for n in gm.graph.nodes if n.op == "placeholder" and "out_loc" in n.name)
+    assert guard.args[3] is out_loc  # padded rows are checked against the KV write locations
+    # ...before the first of them, and every write takes the guard's copy (a padded row's token writes location 0)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    assert all(w.loc.args == (guard, 3) and order[guard] < order[w.node] for w in writes)
     assert guard.args[4] == 128 * dcp_size  # the pool's logical capacity
     outputs = {user for user in guard.users}
     consumers = ([s.node for s in sites.find_attention_sites(gm.graph)] if dcp_size == 1 else
