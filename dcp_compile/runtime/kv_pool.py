@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -69,7 +70,8 @@ class MLAKVPool(nn.Module):
     """One [rows, R + P] cache per MLA layer. Location 0 is reserved for padding.
 
     Unsharded, rows == capacity. `reshard` keeps the rows per rank (the memory) and grows the
-    logical capacity N-fold, or keeps the capacity and shrinks the rows.
+    logical capacity N-fold, or keeps the capacity (rounded up to whole strides over the group)
+    and shrinks the rows.
 
     In a layout with separate parts (`use_layout(layout)`, a back end's KVLayout) a layer's rows
     live in two tensors, `parts(i)`; `cache(i)`, the tensor the model hands the canonical ops,
@@ -167,7 +169,12 @@ class MLAKVPool(nn.Module):
 
     def reshard(self, dcp_size: int, dcp_rank: int, interleave: int = 1, keep: str = "memory") -> None:
         """Reallocate as rank `dcp_rank`'s shard. Contents would be dropped, so a pool that holds
-        KV is an error: reshard before any write."""
+        KV is an error: reshard before any write.
+
+        keep='memory': the rows per rank stay, the capacity grows N-fold. keep='capacity': at least
+        the capacity stays, rounded up to a multiple of interleave x dcp_size and of the page size,
+        so that `capacity` is exactly the locations the rows hold: every bound on a location (the
+        writers', the guard's: the rows over the group) is then `capacity`."""
         layout.validate(dcp_size, dcp_rank, interleave)
         if self.holds_kv():
             raise RuntimeError(
@@ -185,7 +192,10 @@ class MLAKVPool(nn.Module):
                 raise ValueError(f"interleave {interleave} exceeds the pool's {self.unsharded_rows} rows")
             capacity = layout.logical_capacity(rows, dcp_size, interleave)
         elif keep == "capacity":
-            capacity = self.unsharded_rows
+            # Every row a rank holds is a location: the guards and writers bound locations by the
+            # rows over the group, so the capacity grows to whole strides of I x N (and whole pages).
+            step = math.lcm(interleave * dcp_size, self.page_size)
+            capacity = -(-self.unsharded_rows // step) * step
             rows = layout.rows_per_rank(capacity, dcp_size, interleave)
         else:
             raise ValueError(f"keep must be 'memory' or 'capacity', got {keep!r}")
