@@ -35,22 +35,27 @@ CHUNK_BYTES = 1 << 18
 HEADER_LENGTH_BYTES = 8
 MAX_HEADER_BYTES = 100_000_000
 """safetensors' own limit on the JSON header."""
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1,
+               "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8,
+               "U64": 8, "F64": 8, "C64": 8}
+"""Bytes per element of the safetensors dtypes of whole bytes."""
 
 
-def _safe_open():
+def _safetensors():
     try:
-        from safetensors import safe_open
+        import safetensors
     except ImportError:
         raise ImportError("loading a checkpoint needs the safetensors package: pip install safetensors "
                           "(or pip install 'dcp_compile[checkpoints]')") from None
-    return safe_open
+    return safetensors
 
 
-def check_file(path: Path) -> None:
+def check_file(path: Path) -> set[str]:
     """`path` is a whole safetensors file: an 8-byte little-endian header length, a JSON header
-    (tensor name -> dtype, shape and data_offsets into the bytes after the header), then the data
-    with every tensor inside it. Reads the header only; a truncated or garbage file is an error
-    that names it."""
+    (tensor name -> dtype, shape and data_offsets into the bytes after the header), then the data,
+    the tensors laid end to end over all of it, each as many bytes as its shape and dtype give
+    (the layout safetensors itself requires). Reads the header only; a truncated, garbage or
+    inconsistent file is an error that names it. Returns the names of the file's tensors."""
     size = path.stat().st_size
     with path.open("rb") as file:
         prefix = file.read(HEADER_LENGTH_BYTES)
@@ -68,6 +73,7 @@ def check_file(path: Path) -> None:
     if not isinstance(header, dict):
         raise ValueError(f"{path} is not a safetensors file: its header is not a JSON object")
     data_bytes = size - HEADER_LENGTH_BYTES - length
+    spans = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -78,6 +84,34 @@ def check_file(path: Path) -> None:
         if offsets[1] > data_bytes:
             raise ValueError(f"{path} is truncated: tensor {name} ends at byte {offsets[1]} of the data, which holds "
                              f"{data_bytes} bytes")
+        _check_size(path, name, entry, offsets[1] - offsets[0])
+        spans.append((offsets[0], offsets[1], name))
+    end, previous = 0, None
+    for start, stop, name in sorted(spans):
+        if start < end:
+            raise ValueError(f"{path} is not a safetensors file: tensor {name}'s data_offsets [{start}, {stop}) "
+                             f"overlap tensor {previous}'s, which ends at byte {end}")
+        if start > end:
+            raise ValueError(f"{path} is not a safetensors file: no tensor holds bytes [{end}, {start}) of its data "
+                             f"(tensor {name} starts at byte {start})")
+        end, previous = stop, name
+    if end != data_bytes:
+        raise ValueError(f"{path} is not a safetensors file: its tensors end at byte {end} of the data, which holds "
+                         f"{data_bytes} bytes")
+    return {name for _, _, name in spans}
+
+
+def _check_size(path: Path, name: str, entry: dict, span: int) -> None:
+    """A tensor of a whole-byte dtype spans its shape's elements times the dtype's bytes (other
+    dtypes are left to safetensors, whose error _open names the file of)."""
+    shape, width = entry.get("shape"), DTYPE_BYTES.get(entry.get("dtype"))
+    if width is None:
+        return
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ValueError(f"{path} is not a safetensors file: tensor {name} has no valid shape in its header")
+    if math.prod(shape) * width != span:
+        raise ValueError(f"{path} is not a safetensors file: tensor {name} ({entry['dtype']}, shape {shape}) needs "
+                         f"{math.prod(shape) * width} bytes, and its data_offsets span {span}")
 
 
 class SafetensorsReader:
@@ -86,7 +120,7 @@ class SafetensorsReader:
     def __init__(self, folder: str | Path, fp8_block: tuple[int, int] | None = None):
         self.folder = Path(folder)
         self.fp8_block = fp8_block or FP8_BLOCK
-        self._safe_open = _safe_open()
+        self._safetensors = _safetensors()
         self._files: dict[str, object] = {}
         self._stack = ExitStack()
         index = self.folder / INDEX_FILE
@@ -106,8 +140,12 @@ class SafetensorsReader:
                 if not (self.folder / file).is_file():
                     raise ValueError(f"checkpoint shard {self.folder / file} is missing: {INDEX_FILE} lists it for "
                                      f"{len(names)} tensors (e.g. {names[0]})")
-            for file in sorted(by_file):
-                check_file(self.folder / file)
+            for file, names in sorted(by_file.items()):
+                held = check_file(self.folder / file)
+                stray = [name for name in names if name not in held]
+                if stray:
+                    raise ValueError(f"{index} maps tensor {stray[0]} to {self.folder / file}, which does not hold it "
+                                     f"({len(stray)} such tensors)")
         elif (self.folder / SINGLE_FILE).is_file():
             self.source = SINGLE_FILE
             check_file(self.folder / SINGLE_FILE)
@@ -124,7 +162,11 @@ class SafetensorsReader:
 
     def _open(self, file: str):
         if file not in self._files:
-            self._files[file] = self._stack.enter_context(self._safe_open(str(self.folder / file), framework="pt"))
+            try:
+                opened = self._safetensors.safe_open(str(self.folder / file), framework="pt")
+            except self._safetensors.SafetensorError as exc:  # its message names no file
+                raise ValueError(f"{self.folder / file} cannot be read as safetensors: {exc}") from None
+            self._files[file] = self._stack.enter_context(opened)
         return self._files[file]
 
     def _slice(self, name: str):

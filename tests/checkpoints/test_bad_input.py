@@ -65,6 +65,75 @@ def test_damaged_shard_names_the_file_before_any_weight_is_read(copy_of_v3, dama
     assert str(shard) in capsys.readouterr().err
 
 
+def _header(shard) -> tuple[dict, bytes]:
+    """A safetensors file's JSON header and the data after it."""
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + length]), data[8 + length:]
+
+
+def _write_with_header(shard, header: dict, data: bytes) -> None:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    shard.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+def _refused_before_any_rank(folder, message, capsys, monkeypatch) -> None:
+    from dcp_compile.harness import scenario
+
+    monkeypatch.setattr(scenario, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    assert main(["demo", "--checkpoint", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dcp-compile demo: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_index_that_maps_a_tensor_to_the_wrong_shard_names_index_and_shard(copy_of_v3, capsys, monkeypatch):
+    index_path = copy_of_v3 / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = "model.layers.2.self_attn.kv_b_proj.weight"
+    wrong = next(file for file in sorted(set(index["weight_map"].values())) if file != index["weight_map"][name])
+    index["weight_map"][name] = wrong
+    index_path.write_text(json.dumps(index))
+    message = f"{index_path} maps tensor {name} to {copy_of_v3 / wrong}, which does not hold it (1 such tensors)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_pretrained(copy_of_v3, kv_capacity=64)
+    _refused_before_any_rank(copy_of_v3, message, capsys, monkeypatch)
+
+
+def test_shard_whose_tensors_overlap_names_the_file(copy_of_v3, capsys, monkeypatch):
+    """A tensor moved back into the bytes of the tensor before it (its size unchanged): safetensors
+    refuses the file with an error that names no file, and did so in the ranks."""
+    files = list(json.loads((copy_of_v3 / "model.safetensors.index.json").read_text())["weight_map"].values())
+    shard = copy_of_v3 / max(sorted(set(files)), key=files.count)
+    header, data = _header(shard)
+    spans = sorted((entry["data_offsets"], name) for name, entry in header.items() if name != "__metadata__")
+    ((start, end), first), (_, second) = spans[0], spans[1]
+    moved = [end - (end - start) // 2, header[second]["data_offsets"][1] - (end - start) // 2]
+    header[second]["data_offsets"] = moved
+    _write_with_header(shard, header, data)
+    message = (f"{shard} is not a safetensors file: tensor {second}'s data_offsets [{moved[0]}, {moved[1]}) overlap "
+               f"tensor {first}'s, which ends at byte {end}")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_pretrained(copy_of_v3, kv_capacity=64)
+    _refused_before_any_rank(copy_of_v3, message, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda header, name: header[name].update(shape=[3]), r"tensor {name} \(\w+, shape \[3\]\) needs \d+ bytes, and its "
+                                                          r"data_offsets span \d+"),
+    (lambda header, name: header[name].update(dtype="Q9"), "cannot be read as safetensors: "),
+], ids=["size-not-its-shape", "unknown-dtype"])
+def test_shard_that_safetensors_refuses_names_the_file(copy_of_v3, edit, message):
+    index = json.loads((copy_of_v3 / "model.safetensors.index.json").read_text())
+    shard = copy_of_v3 / sorted(set(index["weight_map"].values()))[1]
+    header, data = _header(shard)
+    name = next(name for name in header if name != "__metadata__")
+    edit(header, name)
+    _write_with_header(shard, header, data)
+    with pytest.raises(ValueError, match=re.escape(str(shard)) + ".*" + message.format(name=re.escape(name))):
+        load_pretrained(copy_of_v3, kv_capacity=64)
+
+
 def test_index_whose_weight_map_is_not_an_object_names_the_file(copy_of_v3):
     (copy_of_v3 / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.norm.weight"]}))
     with pytest.raises(ValueError, match="model.safetensors.index.json is not a safetensors index"):
