@@ -14,15 +14,24 @@ from rich.console import Console
 from rich.table import Table
 
 from dcp_compile.cli import backend_flags
+from dcp_compile.cli.arguments import int_in, number
 
 from dcp_compile.lowering import registry
 from dcp_compile.cost_model import STRATEGIES
+from dcp_compile.debug import dump as text_dump
+from dcp_compile.debug.fake_capture import MAX_LAYERS
+from dcp_compile.ops.targets import WINDOW_QUERIES
 from dcp_compile.runtime.launch import DEFAULT_TIMEOUT_S
 from dcp_compile.harness.scenario import MODES, Scenario, compare, compare_torchrun
 
 
 DEFAULT_CONTEXT = "1,3,17,64"
 TOKENIZER_FILE = "tokenizer.json"
+MAX_PAD_ROWS = 1024
+"""Padded rows per batch: a graph bucket's worth, not a memory-sized allocation in every rank."""
+MAX_SEED = 2**32 - 1
+"""The demo derives the weights' and verify steps' seeds from --seed (seed x 1000003 + a name's
+CRC-32, seed x 7919 + step); torch takes seeds of 64 bits, so the seed itself stays within 32."""
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -65,30 +74,37 @@ def register(sub) -> None:
     p.add_argument("--mode", default="decode", choices=MODES,
                    help="decode: 1 token per step; verify: k tokens per step with scripted accept/reject; "
                         "extend: chunked prefill over a sharded prefix, then decode")
-    p.add_argument("--dcp-size", type=int, default=2, help="ranks the KV cache is sharded over (default 2)")
-    p.add_argument("--tp-size", type=int, default=None, help="tensor-parallel ranks to spawn (default: dcp size)")
-    p.add_argument("--batch", type=int, default=4, help="requests (default 4)")
+    p.add_argument("--dcp-size", type=int_in(1), default=2, help="ranks the KV cache is sharded over, >= 1 (default 2)")
+    p.add_argument("--tp-size", type=int_in(1), default=None,
+                   help="tensor-parallel ranks to spawn, >= 1, a multiple of the DCP size (default: the DCP size)")
+    p.add_argument("--batch", type=int_in(1), default=4, help="requests, >= 1 (default 4)")
     p.add_argument("--context", default=None, help=f"prompt length, or comma list cycled over the batch (default {DEFAULT_CONTEXT})")
-    p.add_argument("--steps", type=int, default=8, help="greedy decode steps (default 8)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int_in(0), default=8, help="greedy decode steps, >= 0 (default 8)")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                   help=f"seed of the weights, prompts and verify's accept/reject, 0..{MAX_SEED} (2^32 - 1; default 0)")
     p.add_argument("--model", default=None,
                    help="model preset (default tiny; with --kernels npu, tiny-512: FIA's MLA path needs R = 512, P = 64)")
-    p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    p.add_argument("--interleave", type=int, default=1, help="interleave size I (default 1)")
-    p.add_argument("--page-size", type=int, default=None, help="KV page size (default: the interleave size)")
-    p.add_argument("--draft-len", type=int, default=7, help="verify: tokens per request per step, 1..16 (default 7)")
-    p.add_argument("--chunk", type=int, default=None, help="extend: prompt tokens per request per step")
+    p.add_argument("--layers", type=int_in(1, MAX_LAYERS), default=None,
+                   help=f"override the preset's layer count, 1..{MAX_LAYERS}")
+    p.add_argument("--interleave", type=int_in(1), default=1, help="interleave size I, >= 1 (default 1)")
+    p.add_argument("--page-size", type=int_in(1), default=None,
+                   help="KV page size, >= 1 (default: the interleave size)")
+    p.add_argument("--draft-len", type=int_in(1, WINDOW_QUERIES), default=7,
+                   help=f"verify: tokens per request per step, 1..{WINDOW_QUERIES} (default 7)")
+    p.add_argument("--chunk", type=int_in(1), default=None, help="extend: prompt tokens per request per step, >= 1")
     p.add_argument("--extend-strategy", default="auto", choices=("auto",) + STRATEGIES,
                    help="how attention reaches the sharded KV (auto: the cost model picks per batch)")
-    p.add_argument("--shared-prefix", type=int, default=0, help="request 1 shares this many prompt tokens of request 0")
-    p.add_argument("--pad-rows", type=int, default=1, help="padded rows per batch, written to location 0")
+    p.add_argument("--shared-prefix", type=int_in(0), default=0,
+                   help="request 1 shares this many prompt tokens of request 0, >= 0 (default 0)")
+    p.add_argument("--pad-rows", type=int_in(0, MAX_PAD_ROWS), default=1,
+                   help=f"padded rows per batch, written to location 0, 0..{MAX_PAD_ROWS} (default 1)")
     p.add_argument("--kernels", default="auto", choices=registry.names(),
                    help="kernels of the DCP model: torch reference, triton (on CPU in Triton's interpreter: "
                         "TRITON_INTERPRET=1), flashinfer (CUDA, Hopper; a torch stand-in of FlashInfer on CPU), npu "
                         "(Ascend FIA + npu_attention_update; CPU stand-ins without torch_npu; both models use it), auto")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default float32; bfloat16 with --kernels npu, since FIA takes bf16/fp16)")
-    p.add_argument("--block-size", type=int, default=128,
+    p.add_argument("--block-size", type=int_in(1), default=128,
                    help="--kernels npu: FIA block size, 16 or 128 (default 128, as the engines use; 16 makes short "
                         "contexts cross blocks); pages are block x dcp_size locations")
     backend_flags.add(p)
@@ -98,7 +114,7 @@ def register(sub) -> None:
                         "eager); the dcp_size=1 baseline runs eager")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"),
                    help="ranks on CPU (gloo, default), one CUDA GPU each (NCCL) or one Ascend NPU each (HCCL, needs torch_npu, or DCP_COMPILE_NPU_EMULATOR=1 for the emulated device)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+    p.add_argument("--timeout", type=number, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds a collective waits for a stalled rank before the run fails (default "
                         f"{DEFAULT_TIMEOUT_S:g}; finite, at most a year)")
     p.add_argument("--launch", default="spawn", choices=("spawn", "torchrun"),
@@ -120,14 +136,18 @@ def register(sub) -> None:
 
 def run(args) -> int:
     _check_flags(args)
+    dump_folder = text_dump.env_folder()
+    if dump_folder is not None:  # else each rank would find it out at apply(), after the spawn
+        text_dump.writable_folder(dump_folder, f"{text_dump.ENV_FOLDER} folder")
     tokenizer = _tokenizer(args.checkpoint) if args.prompt is not None else None
     if tokenizer is not None:
         prompt_ids = tuple(tokenizer.encode(args.prompt).ids)
     else:
         prompt_ids = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    tp_size = args.tp_size if args.tp_size is not None else args.dcp_size
     scenario = Scenario(
         mode=args.mode, draft_len=args.draft_len, chunk=args.chunk, attention_strategy=args.extend_strategy,
-        page_size=args.page_size, shared_prefix=args.shared_prefix, dcp_size=args.dcp_size, tp_size=args.tp_size or args.dcp_size, batch=args.batch,
+        page_size=args.page_size, shared_prefix=args.shared_prefix, dcp_size=args.dcp_size, tp_size=tp_size, batch=args.batch,
         contexts=_lengths(args.context or DEFAULT_CONTEXT), steps=args.steps, seed=args.seed, layers=args.layers,
         interleave=args.interleave, pad_rows=args.pad_rows, kernels=args.kernels, block_size=args.block_size,
         device=args.device, timeout=args.timeout, inner_compile=args.inner_compile,

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dcp_compile.cli import backend_flags
+from dcp_compile.cli.arguments import int_in
 from dcp_compile.lowering import registry
 from dcp_compile.debug import dump as text_dump
 from dcp_compile.debug.fake_capture import (ATTENTION_STRATEGIES, DTYPES, MAX_BATCH, MAX_CONTEXT, MAX_LAYERS,
@@ -64,23 +65,23 @@ def register(sub) -> None:
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="capture the model of this checkpoint folder's config.json (DeepSeek-V2/V3, Kimi-K2; MoE "
                         "layers included) instead of a preset; no weight is read")
-    p.add_argument("--layers", type=int, default=None, help=f"layer count, keeping the preset's pattern (at most {MAX_LAYERS})")
-    p.add_argument("--dcp-size", type=int, default=2, help="DCP size N (default 2)")
-    p.add_argument("--tp-size", type=int, default=None, help="TP size; heads are split over it (default: DCP size)")
+    p.add_argument("--layers", type=int_in(), default=None, help=f"layer count, keeping the preset's pattern (at most {MAX_LAYERS})")
+    p.add_argument("--dcp-size", type=int_in(), default=2, help="DCP size N (default 2)")
+    p.add_argument("--tp-size", type=int_in(), default=None, help="TP size; heads are split over it (default: DCP size)")
     p.add_argument("--mode", default="decode", help=f"batch shape: {', '.join(MODES)} (default decode)")
     p.add_argument("--out", required=True, help="output folder (created if missing)")
     p.add_argument("--format", default="text", help=f"{', '.join(FORMATS)} (default text; text files are always written)")
     p.add_argument("--only", default=None, metavar="PASS", help="dump the graphs of this pass only")
     p.add_argument("--disable", action="append", default=[], metavar="PASS", help="switch a pass off (repeatable)")
-    p.add_argument("--batch", type=int, default=4, help=f"requests (default 4, at most {MAX_BATCH})")
-    p.add_argument("--draft-len", type=int, default=4, help=f"verify: tokens per request k, 1..{WINDOW_QUERIES} (default 4)")
-    p.add_argument("--chunk", type=int, default=64, help=f"extend: new tokens per request (default 64, at most {MAX_CONTEXT})")
-    p.add_argument("--context", type=int, default=256,
+    p.add_argument("--batch", type=int_in(), default=4, help=f"requests (default 4, at most {MAX_BATCH})")
+    p.add_argument("--draft-len", type=int_in(), default=4, help=f"verify: tokens per request k, 1..{WINDOW_QUERIES} (default 4)")
+    p.add_argument("--chunk", type=int_in(), default=64, help=f"extend: new tokens per request (default 64, at most {MAX_CONTEXT})")
+    p.add_argument("--context", type=int_in(), default=256,
                    help=f"tokens cached per request before the step (default 256, at most {MAX_CONTEXT}); the batch may "
                         f"hold {MAX_PAGE_TABLE_ENTRIES} tokens and {MAX_PAGES} pages in all (Kimi-K2's 128k context at "
                         "batch 256 needs --page-size 32 or more)")
-    p.add_argument("--interleave", type=int, default=1, help="interleave size I (default 1)")
-    p.add_argument("--page-size", type=int, default=None,
+    p.add_argument("--interleave", type=int_in(), default=1, help="interleave size I (default 1)")
+    p.add_argument("--page-size", type=int_in(), default=None,
                    help=f"KV page size (default: the interleave size; at most {MAX_CONTEXT})")
     p.add_argument("--dtype", default=None, help=f"{', '.join(DTYPES)} (default bfloat16)")
     p.add_argument("--attention-strategy", default="auto",
@@ -90,7 +91,7 @@ def register(sub) -> None:
     p.add_argument("--kernels", default="auto", choices=registry.names(),
                    help="kernels the lowering picks (flashinfer: FlashInfer MLA nodes with their host plans; npu: Ascend "
                         "FIA and npu_attention_update nodes; default auto)")
-    p.add_argument("--block-size", type=int, default=128, help="--kernels npu: FIA block size (default 128)")
+    p.add_argument("--block-size", type=int_in(), default=128, help="--kernels npu: FIA block size (default 128)")
     backend_flags.add(p)
     p.set_defaults(handler=run)
 

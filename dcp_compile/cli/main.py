@@ -1,43 +1,70 @@
 """`dcp-compile` entry point. Each subcommand module has `register(subparsers)` and `run(args)`.
 
 Exit codes: 0 success; 1 the DCP run does not match dcp_size=1 (demo); 2 bad input or an error
-(one line on stderr); 3 a rank died (killed, or exited without a result); 4 a collective timed
-out waiting for a stalled rank; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM). Ranks are
-stopped in every case.
+(one line on stderr; a bad flag too, see cli/arguments.py); 3 a rank died (killed, or exited
+without a result); 4 a collective timed out waiting for a stalled rank; 130 interrupted (Ctrl-C,
+from the first line of main() on: while the subcommands are imported too, and however often it
+is pressed); 143 terminated (SIGTERM). Ranks are stopped in every case.
+
+Ctrl-C before main() runs, while `import dcp_compile` loads torch, is Python's own (a traceback,
+killed by SIGINT): the package imports torch before any line of this module runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import signal
 import sys
 
+from dcp_compile.cli.arguments import Parser
 from dcp_compile.runtime.launch import CollectiveTimeoutError, RankDiedError
 
 EXIT_MISMATCH, EXIT_ERROR, EXIT_RANK_DIED, EXIT_TIMEOUT = 1, 2, 3, 4
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 SUBCOMMANDS = ("demo", "dump")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dcp-compile", description="Decode context parallelism for MLA models")
+def build_parser() -> Parser:
+    parser = Parser(prog="dcp-compile", description="Decode context parallelism for MLA models")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="log passes (-v) or everything and an error's whole text, rank tracebacks included (-vv)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name in SUBCOMMANDS:
         importlib.import_module(f"dcp_compile.cli.{name}").register(sub)
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command line `argv` (default: this process's own, sys.argv) and return its exit
+    code. Without argv, main() is the program: after a Ctrl-C it leaves SIGINT ignored, so that
+    the interpreter's exit is not cut short either."""
+    previous_interrupt = signal.signal(signal.SIGINT, _interrupt)
+    previous_terminate = signal.signal(signal.SIGTERM, _terminate)  # unwinds like Ctrl-C: the ranks are stopped
+    command = None
+    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help (0), or a bad flag (2, its line printed)
+            return exc.code
+        command = args.command
+        return _run(args)
+    except KeyboardInterrupt:
+        print(f"dcp-compile{f' {command}' if command else ''}: interrupted", file=sys.stderr)
+        if argv is None:
+            previous_interrupt = signal.SIG_IGN
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous_terminate)
+        signal.signal(signal.SIGINT, previous_interrupt)
+
+
+def _run(args) -> int:
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("dcp_compile").setLevel(level)
-    # SIGTERM unwinds like Ctrl-C, so the launcher's cleanup stops the ranks.
-    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.handler(args) or 0
     except RankDiedError as exc:
@@ -52,10 +79,6 @@ def main(argv=None) -> int:
     except Exception as exc:  # anything else is an error too, never a traceback that exits 1 (a mismatch)
         _report(args.command, exc, named=True, whole=args.verbose > 1)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _report(command: str, exc: Exception, named: bool, whole: bool = False) -> None:
@@ -71,8 +94,15 @@ def _report(command: str, exc: Exception, named: bool, whole: bool = False) -> N
     print(f"dcp-compile {command}: error: {message}", file=sys.stderr)
 
 
+def _interrupt(signum, frame):
+    """The first Ctrl-C unwinds (the launcher stops the ranks on the way out); a later one is
+    ignored, so that it cannot cut that cleanup short or turn exit 130 into a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def _terminate(signum, frame):
-    raise SystemExit(143)
+    raise SystemExit(EXIT_TERMINATED)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from torch.fx.graph import dtype_abbrs
 log = logging.getLogger("dcp_compile.debug")
 
 REPORT_JSON, OP_DIFF_TXT = "passes.json", "op_diff.txt"
+ENV_FOLDER = "DCP_COMPILE_DUMP"
+"""The environment variable that names a dump folder for every compiled model (DCPConfig.dump_dir)."""
 
 
 def snapshot_name(order: int, name: str, when: str, suffix: str = "py") -> str:
@@ -125,6 +128,11 @@ def graph_folder(folder: Path, graph_index: int) -> Path:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         folder = folder / f"rank{dist.get_rank():02d}"
     return folder / f"graph{graph_index:02d}"
+
+
+def env_folder() -> str | None:
+    """The folder DCP_COMPILE_DUMP names, or None where it is unset or empty."""
+    return os.environ.get(ENV_FOLDER) or None
 
 
 def writable_folder(path: str | Path, what: str = "dump folder") -> Path:

@@ -21,9 +21,6 @@ from dcp_compile.harness.scenario import Driver, Scenario
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--layers", "0"], "layers must be an int >= 1, got 0"),
-    (["--page-size", "0"], "page-size must be an int >= 1, got 0"),
-    (["--interleave", "0"], "interleave must be >= 1"),
     (["--model", "nosuch"], "unknown model 'nosuch'"),
     (["--tp-size", "3"], "tp_size 3 does not split model tiny"),
     (["--interleave", "3", "--page-size", "4"], "interleave size 3 must divide the page size 4"),
@@ -33,8 +30,6 @@ from dcp_compile.harness.scenario import Driver, Scenario
     (["--kernels", "flashinfer", "--page-size", "2", "--dcp-size", "4", "--tp-size", "4"],
      "--page-size 2 does not suit kernels='flashinfer': the FlashInfer lowering (its CSR page list) reads each rank's "
      "KV as whole local blocks: page size 2 with interleave 1 over dcp_size 4"),
-    (["--kernels", "npu", "--block-size", "0"],
-     "block-size must be >= 1, got 0"),
     (["--kernels", "npu", "--block-size", "7"],
      "--block-size 7 does not suit kernels='npu': FIA's block size must be 16 or 128 (docs/ascend.md §4.5)"),
     (["--kernels", "npu", "--block-size", "2048"], "--block-size 2048 does not suit kernels='npu': FIA's block size must be 16 or 128"),
@@ -56,6 +51,48 @@ def test_bad_demo_input_is_one_line_and_exit_2_before_any_rank(args, message, ca
     assert main(["demo", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--pad-rows", "100000000"], "argument --pad-rows: must be an int in [0, 1024], got '100000000'"),
+    (["--layers", "100000"], "argument --layers: must be an int in [1, 256], got '100000'"),
+    (["--layers", "0"], "argument --layers: must be an int in [1, 256], got '0'"),
+    (["--seed", str(2**64)], f"argument --seed: must be an int in [0, 4294967295], got '{2**64}'"),
+    (["--seed", "-1"], "argument --seed: must be an int in [0, 4294967295], got '-1'"),
+    (["--tp-size", "0"], "argument --tp-size: must be an int >= 1, got '0'"),
+    (["--tp-size", "two"], "argument --tp-size: must be an int >= 1, got 'two'"),
+    (["--page-size", "0"], "argument --page-size: must be an int >= 1, got '0'"),
+    (["--interleave", "0"], "argument --interleave: must be an int >= 1, got '0'"),
+    (["--kernels", "npu", "--block-size", "0"], "argument --block-size: must be an int >= 1, got '0'"),
+    (["--draft-len", "17"], "argument --draft-len: must be an int in [1, 16], got '17'"),
+    (["--steps", "-1"], "argument --steps: must be an int >= 0, got '-1'"),
+    (["--timeout", "soon"], "argument --timeout: must be a number, got 'soon'"),
+    (["--mode", "prefill"], "argument --mode: invalid choice: 'prefill' (choose from 'decode', 'verify', 'extend')"),
+])
+def test_a_flag_out_of_its_bounds_is_one_line_naming_it_and_exit_2(args, line, capsys, monkeypatch):
+    """Refused while the arguments are parsed: no usage block, nothing spawned (--pad-rows
+    100000000 was 52 GB in every rank, --tp-size 0 ran at the DCP size, a seed past 64 bits
+    failed in the ranks naming no flag)."""
+    _no_rank(monkeypatch)
+    assert main(["demo", *args]) == 2
+    assert capsys.readouterr().err == f"dcp-compile demo: error: {line} (see dcp-compile demo --help)\n"
+
+
+def test_the_flags_help_states_the_bounds(capsys):
+    assert main(["demo", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for bound in ("0..1024 (default 1)", "1..256", "0..4294967295", "tensor-parallel ranks to spawn, >= 1"):
+        assert bound in text
+
+
+def test_an_unwritable_dcp_compile_dump_is_refused_before_any_rank(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DCP_COMPILE_DUMP", str(blocker / "dump"))
+    _no_rank(monkeypatch)
+    assert main(["demo"]) == 2
+    assert capsys.readouterr().err == (f"dcp-compile demo: error: cannot write to DCP_COMPILE_DUMP folder "
+                                       f"{blocker / 'dump'}: Not a directory\n")
 
 
 def _no_rank(monkeypatch):
@@ -150,6 +187,82 @@ def test_a_terminated_or_killed_cli_leaves_no_process_behind(sig, exit_code, gon
     while _marked_processes(marker) and time.time() < deadline:
         time.sleep(0.2)
     assert _marked_processes(marker) == []
+
+
+def _main_not_interrupted(argv) -> int:
+    """main(argv), where a Ctrl-C that escapes it fails the test rather than stopping the session."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped main()")
+
+
+def test_ctrl_c_while_the_subcommands_are_imported_exits_130_with_one_line(capsys, monkeypatch):
+    """Ctrl-C during the CLI's own imports (build_parser imports each subcommand's module) was a
+    traceback and death by SIGINT (rc -2); Ctrl-C before main() runs, while `import dcp_compile`
+    loads torch, still is (see dcp_compile/cli/main.py)."""
+    import importlib
+
+    from dcp_compile.cli import main as cli_main
+
+    real_import = importlib.import_module
+
+    def interrupted_import(name, *args):
+        if name.startswith("dcp_compile.cli."):
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_import(name, *args)
+
+    handler = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(cli_main.importlib, "import_module", interrupted_import)
+    assert _main_not_interrupted(["demo"]) == 130
+    assert capsys.readouterr().err == "dcp-compile: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is handler  # a caller's handler is back
+
+
+def test_a_second_ctrl_c_does_not_cut_the_ranks_cleanup_short(capsys, monkeypatch):
+    from dcp_compile.cli import demo
+
+    cleaned_up = []
+
+    def compare(scenario):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the ranks run
+            time.sleep(10)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # again, while the launcher stops them
+            time.sleep(0.01)
+            cleaned_up.append(True)
+
+    monkeypatch.setattr(demo, "compare", compare)
+    assert _main_not_interrupted(["demo"]) == 130
+    assert cleaned_up == [True]
+    assert capsys.readouterr().err == "dcp-compile demo: interrupted\n"
+
+
+INTERRUPTED_PROGRAM = """
+import atexit, os, signal, sys, time
+from dcp_compile.cli import demo, main
+
+def compare(scenario):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the ranks run
+    time.sleep(10)
+
+def ctrl_c_at_exit():
+    os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C while the interpreter exits
+    time.sleep(0.1)
+
+demo.compare = compare
+atexit.register(ctrl_c_at_exit)
+sys.argv = ["dcp-compile", "demo"]
+sys.exit(main.main())
+"""
+
+
+def test_the_program_exits_130_however_often_ctrl_c_is_pressed():
+    """main() as the program (no argv): a Ctrl-C after main() returned, while the interpreter
+    exits, was a traceback or death by SIGINT (rc -2) instead of 130."""
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_PROGRAM], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (130, "dcp-compile demo: interrupted\n")
 
 
 @pytest.mark.parametrize("error, line", [

@@ -206,6 +206,19 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, options, message):
     assert not out.exists()  # rejected before anything is written
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["dump", "--out", "x", "--batch", "four"],
+     "dcp-compile dump: error: argument --batch: must be an int, got 'four' (see dcp-compile dump --help)"),
+    (["dump"], "dcp-compile dump: error: the following arguments are required: --out (see dcp-compile dump --help)"),
+    ([], "dcp-compile: error: the following arguments are required: {demo,dump} (see dcp-compile --help)"),
+])
+def test_a_bad_command_line_is_one_line_not_the_usage_block(tmp_path, capsys, monkeypatch, argv, line):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert capsys.readouterr().err == line + "\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_empty_output_folder_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["dump", "--model", "tiny", "--layers", "1", "--out", ""]) == 2
