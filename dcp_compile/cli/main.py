@@ -6,8 +6,10 @@ without a result); 4 a collective timed out waiting for a stalled rank; 130 inte
 from the first line of main() on: while the subcommands are imported too, and however often it
 is pressed); 143 terminated (SIGTERM). Ranks are stopped in every case.
 
-Ctrl-C before main() runs, while `import dcp_compile` loads torch, is Python's own (a traceback,
-killed by SIGINT): the package imports torch before any line of this module runs.
+This module imports nothing heavy before main() installs its SIGINT handler (torch comes with
+the subcommands' modules, which main() imports). Ctrl-C before main() runs is Python's own (a
+traceback, killed by SIGINT): `import dcp_compile.cli.main` first runs dcp_compile/__init__.py,
+which imports torch.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import signal
 import sys
 
 from dcp_compile.cli.arguments import Parser
-from dcp_compile.runtime.launch import CollectiveTimeoutError, RankDiedError
 
 EXIT_MISMATCH, EXIT_ERROR, EXIT_RANK_DIED, EXIT_TIMEOUT = 1, 2, 3, 4
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
@@ -62,6 +63,8 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
+    from dcp_compile.runtime.launch import CollectiveTimeoutError, RankDiedError  # torch: after main()'s handler
+
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("dcp_compile").setLevel(level)
