@@ -49,7 +49,15 @@ class ForwardBatch:
         return tuple(getattr(self, f.name) for f in fields(self) if f.name != "host")
 
     def to(self, device, non_blocking: bool = False) -> "ForwardBatch":
-        return ForwardBatch(*(t.to(device, non_blocking=non_blocking) for t in self.args()), host=self.host)
+        return ForwardBatch(*(t.to(device, non_blocking=non_blocking) for t in self.args()), host=self._checked_host())
+
+    def _checked_host(self) -> HostMetadata | None:
+        """The host metadata, checked to still describe this batch before a copy is bound to it
+        (else a copy of an edited batch would pass as the batch the metadata was built for)."""
+        if self.host is not None:
+            self.host.check_batch(self.args(), {"req_to_token": self.req_to_token, "seq_lens": self.seq_lens,
+                                                "q_seq_ids": self.q_seq_ids})
+        return self.host
 
     @classmethod
     def empty(cls, width: int) -> "ForwardBatch":
@@ -85,7 +93,7 @@ class ForwardBatch:
             input_ids=grow(self.input_ids, tokens), positions=grow(self.positions, tokens), q_seq_ids=q_seq_ids,
             out_loc=grow(self.out_loc, tokens), req_to_token=grow(self.req_to_token, rows), seq_lens=grow(self.seq_lens, rows),
             state_slots=grow(self.state_slots, rows), logits_index=logits_index,
-            host=self.host.padded(rows, tokens_per_row) if self.host is not None else None,
+            host=self._checked_host().padded(rows, tokens_per_row) if self.host is not None else None,
         )
 
 

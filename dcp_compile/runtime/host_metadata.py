@@ -13,6 +13,7 @@ schedulers of their own, and as the oracle the incremental version is tested aga
 from __future__ import annotations
 
 import itertools
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +51,21 @@ class StaleHostMetadataError(ValueError):
 
 _SERIALS = itertools.count(1)
 _BOUND: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Batch tensor -> (serial of the HostMetadata built for it, the tensor's version then)."""
+"""Batch tensor -> (serial of the HostMetadata built for it, the tensor's version then, its
+fingerprint then)."""
+_METADATA_INPUTS = ("req_to_token", "seq_lens", "q_seq_ids")
+"""The tensors of a step (by the model's attention_metadata() names) that host metadata is made
+from: each must be one it was bound to."""
+
+
+def fingerprint(tensor: torch.Tensor) -> int | None:
+    """A checksum of a host tensor's contents, which catches the writes its version counter does
+    not see (through .numpy() or .data); None for a device tensor (reading it would sync) and for
+    a 2-D CPU tensor of a batch (the page table, [rows, max_context]: too large to read every step,
+    so only its version is checked). crc32 reads about 3 GB/s."""
+    if tensor.device.type != "cpu" or tensor.dim() > 1:
+        return None
+    return _crc(tensor)
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,7 @@ class HostMetadata:
     serial: int = field(init=False, compare=False, repr=False)
     """This object's identity in batch bindings: a copy made with dataclasses.replace gets a new one."""
     _table_version: int = field(init=False, compare=False, repr=False)
+    _table_fingerprint: int | None = field(init=False, compare=False, repr=False)
     max_block: int = field(init=False, compare=False, repr=False)
     """The largest local block id in the block tables (-1 without any): what a paged kernel may read."""
 
@@ -84,6 +100,7 @@ class HostMetadata:
         object.__setattr__(self, "serial", next(_SERIALS))
         tables = self.block_tables
         object.__setattr__(self, "_table_version", tables._version if tables is not None else 0)
+        object.__setattr__(self, "_table_fingerprint", _table_fingerprint(tables))
         object.__setattr__(self, "max_block", -1)
         if tables is not None and tables.numel():
             object.__setattr__(self, "max_block", int(tables.max()))
@@ -97,23 +114,27 @@ class HostMetadata:
     def bind(self, *tensors: torch.Tensor) -> "HostMetadata":
         """Declare `tensors` (as they are now) the batch this metadata describes."""
         for tensor in tensors:
-            _BOUND[tensor] = (self.serial, tensor._version)
+            _BOUND[tensor] = (self.serial, tensor._version, fingerprint(tensor))
         return self
 
-    def check_batch(self, tensors) -> None:
+    def check_batch(self, tensors, metadata_inputs: dict | None = None) -> None:
         """Raise StaleHostMetadataError unless this metadata was built for these batch tensors and
-        neither they nor its block tables changed since. O(tensors) on the host, no device sync."""
+        neither they nor its block tables changed since. `metadata_inputs` (the model's
+        attention_metadata() of the step, where it has one) names the tensors it is made from:
+        each of those must be one it was bound to, not a replacement. O(tensors) on the host, and
+        O(size) of its block tables and of the batch's 1-D host tensors (fingerprint); no device
+        sync."""
         bound = False
         for tensor in tensors:
             binding = _BOUND.get(tensor)
             if binding is None:
                 continue
-            serial, version = binding
+            serial, version, content = binding
             if serial != self.serial:
                 raise StaleHostMetadataError(
                     "stale host metadata: host_metadata belongs to another batch (a previous step's, or a copy with "
                     "changed lengths or tables); pass the host metadata of this step's batch (batch.host)")
-            if tensor._version != version:
+            if tensor._version != version or content is not None and fingerprint(tensor) != content:
                 raise StaleHostMetadataError(
                     "stale host metadata: a batch tensor was changed in place after its host metadata was built; build "
                     "the batch again (RequestTable.extend_batch) instead of editing it")
@@ -123,7 +144,15 @@ class HostMetadata:
                 "stale host metadata: host_metadata was not built for this batch's tensors; pass batch.host with "
                 "batch.args() (a ForwardBatch from RequestTable), or HostMetadata.from_tensors(...) of these tensors, "
                 "or declare them with host.bind(...)")
-        if self.block_tables is not None and self.block_tables._version != self._table_version:
+        for name in _METADATA_INPUTS:
+            tensor = (metadata_inputs or {}).get(name)
+            if isinstance(tensor, torch.Tensor) and _BOUND.get(tensor) is None:
+                raise StaleHostMetadataError(
+                    f"stale host metadata: this step's {name} is not a tensor host_metadata was built for (a replaced "
+                    "or cloned batch tensor); build the batch again, or bind the new tensors with host.bind(...)")
+        tables = self.block_tables
+        if tables is not None and (tables._version != self._table_version
+                                   or _table_fingerprint(tables) != self._table_fingerprint):
             raise StaleHostMetadataError("stale host metadata: its block tables were changed in place after it was built")
 
     @property
@@ -191,6 +220,14 @@ class HostMetadata:
         return host.bind(req_to_token, seq_lens, q_seq_ids)
 
 
+def _crc(tensor: torch.Tensor) -> int:
+    return zlib.crc32(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _table_fingerprint(tables: torch.Tensor | None) -> int | None:
+    return None if tables is None else _crc(tables)
+
+
 def _blocks_of(local_rows: torch.Tensor, local_lens: torch.Tensor, block_size: int, blocks: int) -> torch.Tensor:
     """Local block ids of each row's local rows; raises if the rows are not whole aligned blocks."""
     cover = blocks * block_size
@@ -231,7 +268,9 @@ class HostMetadataSource:
             host = HostMetadata.from_tensors(meta["req_to_token"], meta["seq_lens"], meta["q_seq_ids"],
                                              self.dcp_size, self.interleave, self.page_size)
         else:
-            host.check_batch([a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)])
+            metadata = getattr(model, "attention_metadata", None)
+            host.check_batch([a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)],
+                             metadata(*args, **kwargs) if metadata is not None else None)
         expected = (self.dcp_size, self.interleave, self.page_size)
         if (host.dcp_size, host.interleave, host.page_size) != expected:
             raise ValueError(

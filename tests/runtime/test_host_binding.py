@@ -79,6 +79,43 @@ def test_a_wrong_block_table_is_an_error(served):
         model(*batch.args(), host_metadata=batch.host)
 
 
+def test_a_block_table_edited_through_numpy_is_an_error(served):
+    """numpy and .data writes do not bump a tensor's version: the tables' checksum sees them."""
+    model = served.model
+    batch = served.decode()
+    batch.host.block_tables.numpy()[0, 0, 0] += 1
+    with pytest.raises(StaleHostMetadataError, match="block tables were changed in place"):
+        model(*batch.args(), host_metadata=batch.host)
+    batch = served.decode()
+    batch.host.block_tables.data[0, 1, 0] += 1
+    with pytest.raises(StaleHostMetadataError, match="block tables were changed in place"):
+        model(*batch.args(), host_metadata=batch.host)
+
+
+@pytest.mark.parametrize("edit", ["in place", "numpy", ".data"])
+def test_a_batch_edited_before_its_copy_to_the_device_is_an_error(served, edit):
+    """ForwardBatch.to() binds the copies it makes to the metadata: only after checking that the
+    batch it copies is still the one the metadata was built for."""
+    cpu_batch = served.table.extend_batch([0, 1], [[3], [4]])
+    lens = {"in place": cpu_batch.seq_lens, "numpy": cpu_batch.seq_lens.numpy(), ".data": cpu_batch.seq_lens.data}[edit]
+    lens[0] -= 1
+    with pytest.raises(StaleHostMetadataError, match="changed in place"):
+        cpu_batch.to(served.device)
+    with pytest.raises(StaleHostMetadataError, match="changed in place"):
+        cpu_batch.padded(4, 1)
+
+
+def test_a_replaced_batch_tensor_is_an_error(served):
+    """A clone of the page table, edited, in place of the one the metadata was built from."""
+    model = served.model
+    batch = served.decode()
+    args = list(batch.args())
+    args[4] = batch.req_to_token.clone()
+    args[4][0, 0] = args[4][1, 0]
+    with pytest.raises(StaleHostMetadataError, match="req_to_token is not a tensor host_metadata was built for"):
+        model(*args, host_metadata=batch.host)
+
+
 def test_a_batch_tensor_edited_after_its_metadata_is_an_error(served):
     model = served.model
     batch = served.decode()
