@@ -9,11 +9,13 @@ import os
 
 import pytest
 import torch
+import torch.fx as fx
 
 import dcp_compile
 from dcp_compile.harness.scenario import Scenario, compare
 from dcp_compile.testing import npu_standin as standin
-from dcp_compile.lowering.npu import ops as npu_ops
+from dcp_compile.lowering.npu import ensure_ops, ops as npu_ops
+from dcp_compile.lowering.npu.lower_attention import LowerNPUAttention, attention_update_op
 from dcp_compile.ops import reference
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import devices
@@ -82,3 +84,28 @@ def test_dcp_two_with_garbage_on_empty_shards_matches_dcp_size_one(monkeypatch):
                               kernels="npu", device="npu", block_size=16, seed=3, layers=TINY_512.num_layers))
     assert result["finite"] and result["tokens_match"]
     assert result["outputs_match"] and result["max_abs_diff"] < result["tolerance"]
+
+
+def test_an_lse_of_plus_inf_from_a_shard_with_keys_is_not_taken_for_an_empty_shard():
+    """Issue 36, item 7. npu_attention_update gives a +inf lse no weight (what an empty shard reports). The lowering
+    makes it NaN where the shard had keys (a faulty FIA result), so the merge shows NaN for that
+    token instead of dropping its keys; where the shard was empty it is -inf, as before."""
+    ensure_ops()
+    graph = fx.Graph()
+    counts, out, lse = graph.placeholder("counts"), graph.placeholder("out"), graph.placeholder("lse")
+    graph.output(LowerNPUAttention._zero_unseen(graph, counts, out, lse))
+    mask = fx.GraphModule(torch.nn.Module(), graph)
+    tokens, heads, dim = 3, 2, 16
+    torch.manual_seed(0)
+    outs = [torch.randn(tokens, heads, dim, device="npu") for _ in range(2)]
+    lses = [torch.randn(tokens, heads, device="npu") for _ in range(2)]
+    lses[0][0] = float("inf")   # token 0: rank 0 saw 3 keys, yet FIA says +inf
+    lses[0][1] = float("inf")   # token 1: rank 0 saw no key (+inf, as CANN >= 8.5 reports)
+    counts = [torch.tensor([3, 0, 2], device="npu"), torch.tensor([4, 1, 5], device="npu")]
+    masked = [mask(c, o, l) for c, o, l in zip(counts, outs, lses)]
+    assert torch.isnan(masked[0][1][0]).all() and (masked[0][1][1] == float("-inf")).all()
+    merged, _ = attention_update_op()([l.reshape(-1) for _, l in masked], [o.reshape(-1, dim) for o, _ in masked], 0)
+    merged = merged.view(tokens, heads, dim).cpu()
+    assert torch.isnan(merged[0]).all()  # before: rank 1's keys alone, finite and wrong
+    torch.testing.assert_close(merged[1], outs[1][1].cpu())  # the empty shard weighs nothing
+    assert torch.isfinite(merged[2]).all()

@@ -249,7 +249,11 @@ class LowerNPUAttention(paged.PagedAttentionPass):
 
     @staticmethod
     def _zero_unseen(graph, counts, out, lse):
-        """Out 0 and lse -inf for the tokens whose key count is 0."""
+        """Out 0 and lse -inf for the tokens whose key count is 0; NaN for an lse of +inf on a
+        token that saw keys. npu_attention_update gives a +inf lse no weight (an empty shard, as
+        CANN >= 8.5 reports one, docs/ascend.md §7.3): from a shard with keys that would drop its
+        keys without a sign, where NaN shows in the merged output."""
+        lse = call(graph, aten.masked_fill.Scalar, lse, call(graph, aten.eq.Scalar, lse, float("inf")), float("nan"))
         empty = call(graph, aten.unsqueeze.default, call(graph, aten.eq.Scalar, counts, 0), 1)
         lse = call(graph, aten.masked_fill.Scalar, lse, empty, float("-inf"))
         out = call(graph, aten.masked_fill.Scalar, out, call(graph, aten.unsqueeze.default, empty, 2), 0.0)
