@@ -144,7 +144,8 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
 
     Collective: call on every rank. Call before any KV is written (the pool is reallocated).
     kv_keep='memory' keeps the rows per rank and grows the logical capacity N-fold;
-    kv_keep='capacity' keeps the logical capacity and shrinks the rows. With dcp_size=1 the
+    kv_keep='capacity' keeps (at least) the logical capacity, rounded up to whole pages and
+    strides of interleave x dcp_size, and shrinks the rows. With dcp_size=1 the
     result is the plain compiled model, the baseline every DCP run is compared with.
 
     An unmodified transformers model of a known MLA family (DeepSeek-V3 / V2) gets a KV pool of

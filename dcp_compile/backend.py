@@ -10,7 +10,7 @@ from pathlib import Path
 import torch.fx as fx
 
 from dcp_compile.config import DCPConfig
-from dcp_compile.debug.dump import TextDump, writable_folder
+from dcp_compile.debug.dump import TextDump, env_folder, writable_folder
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.passes import PassConfig, PassManager, PassReport, default_passes
 from dcp_compile.passes.cache_use import bind_pool, check_cache_use
@@ -64,7 +64,7 @@ class DCPBackend:
         self.config, self.strategy, self.parallel, self.pool, self.lowering = config, strategy, parallel, pool, lowering
         self.front_end = tuple(front_end_passes)
         self.host_slot = host_slot or HostSlot(parallel.dcp_rank)
-        dump_dir = config.dump_dir or os.environ.get("DCP_COMPILE_DUMP") or None
+        dump_dir = config.dump_dir or env_folder()
         if dump_dir and config.dcp_size > 1:
             dump_dir = os.path.join(dump_dir, strategy)
         observers = []
