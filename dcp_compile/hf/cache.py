@@ -9,12 +9,14 @@ tokens with the canonical `dcp::mla_kv_write` into the pool (so the DCP passes s
 and returns `dcp::mla_cache_view`, a read of the pool in the layout transformers expects. No
 per-request cache tensor of transformers' own is ever allocated.
 
-Layout. Request b of a cache of `max_length` positions owns the pool locations
-`1 + b * max_length + p`, p = 0 .. max_length - 1 (location 0 stays reserved for padding). A
-cache serves one batch of equal-length rows from position 0: the length counter is one 0-d
-tensor per layer, as in transformers' StaticLayer (a graph input updated in place, so one graph
-serves every decode step). `get_mask_sizes` reports `max_length` keys, so transformers' mask is
-[B, 1, T, max_length] and the view's rows past the length are never attended.
+Layout. A cache of `batch_size` rows of `max_length` positions takes batch_size * max_length
+locations of the pool from the pool's allocator (dcp_compile/hf/locations.py), disjoint from every
+other live cache's, and gives them back when it is released or garbage collected; row b,
+position p is `req_to_token[b, p]` (location 0 stays reserved for padding). A cache serves one
+batch of equal-length rows from position 0: the length counter is one 0-d tensor per layer, as in
+transformers' StaticLayer (a graph input updated in place, so one graph serves every decode
+step). `get_mask_sizes` reports `max_length` keys, so transformers' mask is [B, 1, T, max_length]
+and the view's rows past the length are never attended.
 
 What the caller (dcp_compile/hf/model.py) checks before each step, on the host: the step fits in
 `max_length`, the attention mask pads nothing and the position ids are the cache's positions.
@@ -23,10 +25,13 @@ Beam search, cropping and batch reordering are refused: the pool's rows do not m
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from dcp_compile import ops
+from dcp_compile.hf.locations import allocator
 from dcp_compile.ops.cache_view import mla_cache_view
 from dcp_compile.runtime.kv_pool import MLAKVPool
 
@@ -120,11 +125,25 @@ class DCPCache(Cache):
                 f"pool holds {pool.capacity} over its {pool.dcp_size} rank(s): pass a larger kv_capacity to "
                 "dcp_compile.apply, or a smaller batch / max_length"
             )
-        req_to_token = 1 + torch.arange(batch_size * max_length, dtype=torch.int64, device=pool.device)
-        req_to_token = req_to_token.view(batch_size, max_length)
+        locations = allocator(pool)
+        allocation, taken = locations.allocate(batch_size * max_length,
+                                               f"a cache of {batch_size} row(s) of {max_length} positions")
+        # Given back when the cache is garbage collected (queued: a finalizer may run inside an allocation).
+        self._finalizer = weakref.finalize(self, locations.release_later, allocation)
+        self._release = lambda: locations.release(allocation)
+        req_to_token = taken.to(pool.device).view(batch_size, max_length)
         super().__init__(layers=[DCPCacheLayer(pool, i, req_to_token) for i in range(pool.num_layers)])
         self.pool, self.max_length = pool, max_length
+        self.released = False
 
     def length(self) -> int:
         """Positions written so far (every layer alike), read on the host."""
         return int(self.layers[0].cumulative_length)
+
+    def release(self) -> None:
+        """Give this cache's KV locations back to the pool now (dropping every reference to the
+        cache does it too); a released cache serves no more steps."""
+        if not self.released:
+            self.released = True
+            self._finalizer.detach()
+            self._release()

@@ -18,13 +18,21 @@ What apply does here:
   (passes/replicated_q_attention.py).
 
 What the step refuses, before any graph runs: a transformers cache (it would hold the whole KV
-on every rank), an attention mask that pads anything, position ids other than the cache's
-positions, a step past the cache's `max_length`. The model passed to apply is the one that
-runs: its forward now is the DCP step.
+on every rank), a cache released or of another pool, token ids that are not integers in
+[0, vocab_size), an attention mask that pads anything, position ids other than the cache's
+positions, a step past the cache's `max_length`. Under DCP the ranks' steps must agree (shapes,
+cache position, token ids: dcp_compile/hf/agreement.py), and a sampling generate() draws every
+rank's token with the group's first rank's generator. generate() serves greedy and sampled
+decoding, num_return_sequences and classifier-free guidance (guidance_scale), and refuses beam
+search and use_cache=False by name. Caches of one model never share KV locations
+(dcp_compile/hf/locations.py). The model passed to apply is the one that runs: its forward now
+is the DCP step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 
 import torch
@@ -35,7 +43,9 @@ from dcp_compile.binding import bind
 from dcp_compile.compiled_step import CompiledStep, DCPState
 from dcp_compile.config import DCPConfig
 from dcp_compile.hf.absorb import AbsorbError, AbsorbMLA
+from dcp_compile.hf.agreement import GroupAgreement
 from dcp_compile.hf.cache import DCPCache
+from dcp_compile.hf.locations import allocator
 from dcp_compile.strategy import REPLICATED_Q
 from dcp_compile.runtime import parallel
 from dcp_compile.runtime.kv_pool import MLAKVPool
@@ -44,6 +54,10 @@ SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm
 """transformers model types whose attention the absorb pass knows: DeepSeek-V3 (Kimi-K2 and
 Moonlight load as it) and V2, and the families whose attention is DeepSeek's MLA block
 (GLM-4-MoE-Lite, MiniCPM3, Youtu, Sarvam-MLA); each is tested against transformers (tests/hf)."""
+
+_CACHE_LENGTH_IN_GENERATE: contextvars.ContextVar[int | None] = contextvars.ContextVar("dcp_cache_length", default=None)
+"""Inside generate(): the positions a cache made for a step called without one gets (classifier-free
+guidance's unconditional pass calls the model so, then again with that cache for each new token)."""
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -114,6 +128,8 @@ class DCPTransformersModel(nn.Module):
         self._compiled_step = CompiledStep(forward, state, errors=(AbsorbError,), too_many_shapes=(
             "(the transformers front end compiles each (batch, tokens) shape): run a few batch sizes and prompt "
             "lengths"))
+        groups = state.parallel
+        self._agreement = GroupAgreement(state.config.dcp_size, groups.dcp_rank, groups.dcp_group_name)
         model.forward = self._step  # the instance's, so generate() and model(...) run the DCP step
 
     @property
@@ -122,34 +138,63 @@ class DCPTransformersModel(nn.Module):
 
     def new_cache(self, batch_size: int, max_length: int | None = None) -> DCPCache:
         """A cache over this model's KV pool for `batch_size` rows of up to `max_length` positions
-        (default: as many as the pool holds)."""
+        (default: as many as the pool's free locations hold). Its locations are its own until it is
+        released (cache.release()) or garbage collected; a cache that does not fit in the free
+        locations is a MemoryError."""
         pool = self.dcp_state.kv_pool
-        if max_length is None:
-            max_length = (pool.capacity - 1) // batch_size
+        if max_length is None and batch_size >= 1:
+            max_length = max(1, allocator(pool).free_locations() // batch_size)
         return DCPCache(pool, batch_size, max_length)
 
     def forward(self, *args, **kwargs):
         return self.model(*args, **kwargs)
 
     def generate(self, *args, **kwargs):
-        """transformers' generate(), with a DCP cache sized for this call (prompt + max_new_tokens,
-        else max_length) unless one is passed."""
+        """transformers' generate(), with a DCP cache sized for this call (batch *
+        num_return_sequences rows of prompt + max_new_tokens, else max_length, positions) unless
+        one is passed. Under DCP a sampling call draws every rank's tokens with the group's first
+        rank's random generator (hf/agreement.py)."""
         cache = kwargs.pop(self.cache_kwarg, None)
         if cache is None:
             cache = kwargs.pop("past_key_values", None)  # the deprecated name
+        setting = self._generation_settings(kwargs)
+        if (setting("num_beams") or 1) > 1:
+            raise ValueError(f"num_beams={setting('num_beams')}: beam search reorders the cache's rows at every step, "
+                             "and a DCP cache's rows are fixed KV locations sharded over the DCP ranks; use num_beams=1 "
+                             "(greedy or sampled decoding; num_return_sequences for several samples of one prompt)")
+        if setting("use_cache") is False:
+            raise ValueError("use_cache=False: generate() would run every step over the whole sequence without a cache, "
+                             "and a DCP model's attention runs over its sharded KV cache; leave use_cache at its "
+                             "default, True")
+        input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if input_ids is None:
+            raise ValueError("generate() on a DCP model needs input_ids (inputs_embeds alone cannot size the cache)")
+        length = self._generated_length(input_ids, setting)
         if cache is None:
-            input_ids = args[0] if args else kwargs.get("input_ids")
-            if input_ids is None:
-                raise ValueError("generate() on a DCP model needs input_ids (inputs_embeds alone cannot size the cache)")
-            cache = self.new_cache(input_ids.shape[0], self._generated_length(input_ids, kwargs))
-        return self.model.generate(*args, **{self.cache_kwarg: cache}, **kwargs)
+            cache = self.new_cache(input_ids.shape[0] * (setting("num_return_sequences") or 1), length)
+        # The unconditional pass of guidance: the negative prompt (else the prompt's last token)
+        # and every new token; at least this call's width, so that its steps reuse the decode graph.
+        unconditional = kwargs.get("negative_prompt_ids")
+        unconditional_length = (unconditional.shape[1] if unconditional is not None else 1) + length - input_ids.shape[1]
+        token = _CACHE_LENGTH_IN_GENERATE.set(max(length, unconditional_length))
+        sampling = self._agreement.shared_generators(self.model.device) if setting("do_sample") else contextlib.nullcontext()
+        try:
+            with sampling:
+                return self.model.generate(*args, **{self.cache_kwarg: cache}, **kwargs)
+        finally:
+            _CACHE_LENGTH_IN_GENERATE.reset(token)
 
-    def _generated_length(self, input_ids: torch.Tensor, kwargs) -> int:
+    def _generation_settings(self, kwargs):
+        """`setting(name)`: a generation setting of this call, from its kwargs, else its
+        generation_config, else the model's."""
         generation_config = kwargs.get("generation_config") or self.model.generation_config
-        max_new_tokens = kwargs.get("max_new_tokens", generation_config.max_new_tokens)
-        if max_new_tokens is not None:
-            return input_ids.shape[1] + max_new_tokens
-        return kwargs.get("max_length", generation_config.max_length)
+        return lambda name: kwargs[name] if name in kwargs else getattr(generation_config, name, None)
+
+    @staticmethod
+    def _generated_length(input_ids: torch.Tensor, setting) -> int:
+        if setting("max_new_tokens") is not None:
+            return input_ids.shape[1] + setting("max_new_tokens")
+        return setting("max_length")
 
     def _step(self, *args, **kwargs):
         with self._compiled_step.guarded():
@@ -157,6 +202,11 @@ class DCPTransformersModel(nn.Module):
             call.update(call.pop("kwargs", {}))
             if self.cache_kwarg != "past_key_values" and "past_key_values" in call:
                 call[self.cache_kwarg] = call.pop("past_key_values")  # the deprecated name
+            input_ids = call.get("input_ids")
+            inputs = input_ids if input_ids is not None else call.get("inputs_embeds")
+            if inputs is None:
+                raise ValueError("a DCP step needs input_ids or inputs_embeds")
+            self._agreement.check_step(inputs, input_ids, call.get(self.cache_kwarg))
             return self._compiled_step.run(self._strategy, (), self._checked(call))
 
     def check_errors(self) -> None:
@@ -167,23 +217,35 @@ class DCPTransformersModel(nn.Module):
     def _checked(self, call: dict) -> dict:
         """The call as the compiled step takes it, or a ValueError saying what it cannot serve."""
         dcp_size = self.dcp_state.config.dcp_size
-        inputs = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
-        if inputs is None:
-            raise ValueError("a DCP step needs input_ids or inputs_embeds")
+        input_ids = call.get("input_ids")
+        if input_ids is not None:
+            self._check_token_ids(input_ids)
+            # Strides in the standard layout: a slice of a longer sequence (guidance's unconditional
+            # pass hands the model ids[:, -1:]) would otherwise compile a graph per stride.
+            input_ids = call["input_ids"] = input_ids.clone(memory_format=torch.contiguous_format)
+        inputs = input_ids if input_ids is not None else call["inputs_embeds"]
         batch, tokens = inputs.shape[:2]
         cache = call.get(self.cache_kwarg)
-        if cache is None and call.get("use_cache") is False:
+        if call.get("use_cache") is False:
+            if cache is not None:
+                raise ValueError("use_cache=False with a cache: a DCP step writes its tokens' KV into the cache it is "
+                                 "given; pass use_cache=True, or no cache")
             if dcp_size > 1:
                 raise ValueError("use_cache=False: under DCP every step writes the sharded KV cache")
             return call
         if cache is None:
-            cache = self.new_cache(batch, tokens)
+            length = _CACHE_LENGTH_IN_GENERATE.get()
+            cache = self.new_cache(batch, tokens if length is None else max(tokens, length))
         if not isinstance(cache, DCPCache) or cache.pool is not self.dcp_state.kv_pool:
             raise ValueError(f"{self.cache_kwarg}={type(cache).__name__}: a DCP model takes the cache of its own KV pool, "
                              "model.new_cache(batch_size, max_length) (a transformers cache would hold every token on "
                              "every rank)")
+        if cache.released:
+            raise ValueError("this cache was released (cache.release()): its KV locations may belong to another cache "
+                             "now; make a new one with model.new_cache(batch_size, max_length)")
         if cache.layers[0].batch_size != batch:
-            raise ValueError(f"the cache has {cache.layers[0].batch_size} rows, this step {batch}")
+            raise ValueError(f"the cache has {cache.layers[0].batch_size} rows, this step {batch}: a cache serves one "
+                             "batch of fixed rows (generate() makes one of batch * num_return_sequences rows)")
         length = cache.length()
         if length + tokens > cache.max_length:
             raise ValueError(f"this step's {tokens} token(s) after {length} cached ones exceed the cache's max_length "
@@ -203,3 +265,16 @@ class DCPTransformersModel(nn.Module):
             call["position_ids"] = None
         call[self.cache_kwarg] = cache
         return call
+
+    def _check_token_ids(self, input_ids: torch.Tensor) -> None:
+        vocab_size = self.model.config.get_text_config(decoder=True).vocab_size
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids of dtype {input_ids.dtype}: token ids are an integer tensor (torch.long) of "
+                             "shape [batch, tokens]")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}: token ids are [batch, tokens]")
+        outside = (input_ids < 0) | (input_ids >= vocab_size)
+        if bool(outside.any()):
+            row, column = (int(i) for i in outside.nonzero()[0])
+            raise ValueError(f"input_ids[{row}, {column}] = {int(input_ids[row, column])}: token ids lie in "
+                             f"[0, vocab_size {vocab_size})")

@@ -1,0 +1,106 @@
+"""The ranks of a DCP group run one sequence: one step, with the same tokens, on every rank.
+
+Under DCP each rank writes its shard of every token's KV, so a rank that feeds a different token
+(its own sample) or a different batch corrupts the group's cache without an error: the shards no
+longer belong to one sequence. Two guarantees, for a group of more than one rank:
+
+- `shared_generators()`, around a sampling `generate()`: every rank samples with the group's first
+  rank's random generators (its state is broadcast), so with the same logits every rank draws the
+  first rank's token, the one transformers draws with the first rank's seed. This is the
+  synchronised seed engines use (SGLang samples on every TP rank and makes the tokens agree). The
+  other ranks' generators are restored afterwards, so a per-rank seed still serves the rank's own
+  work.
+- `check_step()`, at every step before anything runs: one all-gather of a few ints per step (the
+  input's shape, the cache's rows, width and length, and a checksum of the token ids). Ranks that
+  differ (other shapes, another cache position, other tokens: a sample drawn apart, prompts of
+  other lengths) get the same ValueError on every rank, naming what each was given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from dcp_compile.hf.cache import DCPCache
+
+CHECKSUM_PRIME = (1 << 31) - 1
+"""The token checksum is sum_i ((id_i mod p) * (i + 1) mod p): a single differing token, or two
+swapped, always changes it (p is prime), and no product overflows int64."""
+FIELDS = ("batch", "tokens", "token ids given", "integer token ids", "cache rows", "cache width", "cached positions",
+          "token checksum")
+
+
+def _step_fields(inputs: torch.Tensor, input_ids: torch.Tensor | None, cache) -> list[int]:
+    rows, width, length = (-1, -1, -1)
+    if isinstance(cache, DCPCache):
+        rows, width, length = cache.layers[0].batch_size, cache.max_length, cache.length()
+    return [inputs.shape[0], inputs.shape[1] if inputs.dim() > 1 else -1, int(input_ids is not None),
+            int(input_ids is not None and not input_ids.is_floating_point() and input_ids.dtype != torch.bool),
+            rows, width, length, 0]
+
+
+def _checksum(input_ids: torch.Tensor) -> torch.Tensor:
+    ids = input_ids.reshape(-1).to(torch.int64).remainder(CHECKSUM_PRIME)
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64, device=ids.device)
+    return (ids * weights).remainder(CHECKSUM_PRIME).sum()
+
+
+class GroupAgreement:
+    """The DCP group of one model (`group_name`, this rank `dcp_rank` of `dcp_size`)."""
+
+    def __init__(self, dcp_size: int, dcp_rank: int, group_name: str | None):
+        self.dcp_size, self.dcp_rank, self.group_name = dcp_size, dcp_rank, group_name
+
+    def _group(self):
+        return dist.distributed_c10d._resolve_process_group(self.group_name)
+
+    def check_step(self, inputs: torch.Tensor, input_ids: torch.Tensor | None, cache) -> None:
+        """Raise the same ValueError on every rank unless every rank of the group was given this
+        step's shapes, cache position and token ids. `inputs`: input_ids, or inputs_embeds."""
+        if self.dcp_size == 1:
+            return
+        fields = torch.tensor(_step_fields(inputs, input_ids, cache), dtype=torch.int64, device=inputs.device)
+        if input_ids is not None and input_ids.numel():
+            fields[-1] = _checksum(input_ids)
+        gathered = torch.empty(self.dcp_size * len(FIELDS), dtype=torch.int64, device=fields.device)
+        dist.all_gather_into_tensor(gathered, fields, group=self._group())
+        per_rank = gathered.view(self.dcp_size, len(FIELDS)).tolist()
+        if all(row == per_rank[0] for row in per_rank):
+            return
+        differing = [name for i, name in enumerate(FIELDS) if len({row[i] for row in per_rank}) > 1]
+        if len(differing) > 1:  # other shapes or positions: the checksums differ with them
+            differing = [name for name in differing if name != "token checksum"]
+        given = "; ".join(f"rank {rank}: " + ", ".join(f"{name} {row[FIELDS.index(name)]}" for name in differing)
+                          for rank, row in enumerate(per_rank))
+        hint = ""
+        if differing == ["token checksum"]:
+            hint = (" (the token ids differ: a token sampled apart on each rank? generate() samples with the group's "
+                    "first rank's generator; a loop of your own must sample on one rank and broadcast the token)")
+        raise ValueError(f"the DCP ranks were given different steps{hint}: {given}. Every rank of a DCP group must run "
+                         "the same step with the same batch: the same input shapes, cache position and token ids")
+
+    @contextlib.contextmanager
+    def shared_generators(self, device: torch.device):
+        """Every rank of the group samples with the first rank's random generators (the CPU's,
+        and `device`'s) inside the block; afterwards the other ranks' own are restored."""
+        if self.dcp_size == 1:
+            yield
+            return
+        generators = [(torch.get_rng_state, torch.set_rng_state)]
+        if device.type != "cpu":
+            module = torch.get_device_module(device)
+            generators.append((lambda: module.get_rng_state(device), lambda state: module.set_rng_state(state, device)))
+        own = [get() for get, _ in generators]
+        group = self._group()
+        for (_, set_state), state in zip(generators, own):
+            shared = state.to(device, copy=True)
+            dist.broadcast(shared, group=group, group_src=0)
+            set_state(shared.cpu())
+        try:
+            yield
+        finally:
+            if self.dcp_rank != 0:
+                for (_, set_state), state in zip(generators, own):
+                    set_state(state)

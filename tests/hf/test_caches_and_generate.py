@@ -1,0 +1,140 @@
+"""The transformers front end at dcp_size 1, in one process: caches of one model hold disjoint KV
+locations (two live conversations, a generate() among them, released and dropped caches), what
+generate() serves (classifier-free guidance, num_return_sequences) against the untouched model,
+and what it refuses by name. One model serves every test, so its graphs compile once (batch 1
+or 2 over caches of WIDTH positions); the multi-rank runs are in test_transformers_distributed.py."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import dcp_compile  # noqa: E402
+from dcp_compile.hf.locations import allocator  # noqa: E402
+from tests.hf.models import prompt, tiny_model  # noqa: E402
+
+WIDTH = 16
+NEW_TOKENS = WIDTH - 5
+POOL_LOCATIONS = 64
+"""apply's default pool: 1 + max_position_embeddings locations, less location 0."""
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(the untouched model, the same weights through dcp_compile.apply at dcp_size 1)."""
+    reference = tiny_model()
+    return reference, dcp_compile.apply(copy.deepcopy(reference), dcp_size=1)
+
+
+def _last_logits(model, input_ids, **kwargs):
+    with torch.no_grad():
+        return model(input_ids, **kwargs).logits[:, -1]
+
+
+def _generate(model, input_ids, **kwargs):
+    with torch.no_grad():
+        out = model.generate(input_ids, max_new_tokens=NEW_TOKENS, output_logits=True, output_scores=True,
+                             return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.logits), torch.stack(out.scores)
+
+
+def _assert_matches(got, want):
+    assert torch.equal(got[0], want[0])
+    assert float((got[1] - want[1]).abs().max()) < 1e-5
+    # -inf where a processor masked a token in both: inf - inf is nan, taken as equal
+    assert float((got[2] - want[2]).nan_to_num(nan=0.0).abs().max()) < 1e-5
+
+
+def test_two_live_caches_and_a_generate_keep_their_own_kv(models):
+    """Prefill A in one cache and B in another, then decode A and B, and generate() with both live,
+    twice: every logit is transformers' (before, the caches shared locations and A's logits were
+    off by 3.35)."""
+    reference, model = models
+    histories = [prompt(1)[:1], prompt(2)[:1]]
+    caches = [model.new_cache(1, WIDTH), model.new_cache(1, WIDTH)]
+    locations = [set(cache.layers[0].req_to_token.flatten().tolist()) for cache in caches]
+    assert not locations[0] & locations[1] and 0 not in locations[0] | locations[1]
+
+    def step(cache, input_ids, history):
+        got = _last_logits(model, input_ids, **{model.cache_kwarg: cache})
+        assert float((got - _last_logits(reference, history)).abs().max()) < 1e-5
+
+    for cache, history in zip(caches, histories):
+        step(cache, history, history)
+    token = torch.tensor([[3]])
+    for _ in range(2):
+        for i, cache in enumerate(caches):
+            histories[i] = torch.cat([histories[i], token], 1)
+            step(cache, token, histories[i])
+        third = prompt(3)[:1]
+        _assert_matches(_generate(model, third, do_sample=False), _generate(reference, third, do_sample=False))
+
+
+def test_a_cache_gives_its_locations_back(models):
+    _, model = models
+    pool_allocator = allocator(model.dcp_state.kv_pool)
+    gc.collect()
+    free = pool_allocator.free_locations()
+    assert free == POOL_LOCATIONS  # every earlier cache was given back
+    kept = model.new_cache(2, WIDTH)
+    with pytest.raises(MemoryError, match=rf"a cache of 1 row\(s\) of {POOL_LOCATIONS} positions needs {POOL_LOCATIONS} KV "
+                                          rf"locations; the pool has {POOL_LOCATIONS} \(location 0 is reserved\), "
+                                          rf"{POOL_LOCATIONS - 2 * WIDTH} of them free: 1 live cache\(s\) hold the rest"):
+        model.new_cache(1, POOL_LOCATIONS)
+    assert model.new_cache(1).max_length == POOL_LOCATIONS - 2 * WIDTH  # the default: every free location
+    with pytest.raises(ValueError, match=r"need 66 KV locations \(location 0 is reserved\); the pool holds 65"):
+        model.new_cache(1, POOL_LOCATIONS + 1)  # more than the pool holds: never fits
+    kept.release()
+    with pytest.raises(ValueError, match="this cache was released"):
+        _last_logits(model, prompt()[:, :1], **{model.cache_kwarg: kept})
+    dropped = model.new_cache(1, POOL_LOCATIONS)  # fits once `kept` is released
+    del dropped
+    model.new_cache(1, POOL_LOCATIONS).release()  # and again, once `dropped` is garbage collected
+    assert pool_allocator.free_locations() == POOL_LOCATIONS
+
+
+def test_guidance_matches_transformers(models):
+    """Classifier-free guidance: transformers' processor calls the model from inside generate()
+    for its unconditional pass, first without a cache, then with the one that call returned;
+    that call gets a cache of the generation's width from the pool."""
+    reference, model = models
+    for negative in (None, prompt(4)[:1, :3]):
+        kwargs = dict(do_sample=False, guidance_scale=1.5, negative_prompt_ids=negative)
+        _assert_matches(_generate(model, prompt()[:1], **kwargs), _generate(reference, prompt()[:1], **kwargs))
+
+
+def test_num_return_sequences_matches_transformers(models):
+    """Several samples of one prompt: generate() makes the cache batch * num_return_sequences rows."""
+    reference, model = models
+    results = []
+    for served in (reference, model):
+        torch.manual_seed(7)
+        results.append(_generate(served, prompt()[:1], do_sample=True, num_return_sequences=2))
+    _assert_matches(results[1], results[0])
+    assert results[0][0].shape[0] == 2 and not torch.equal(results[0][0][0], results[0][0][1])
+
+
+def test_generate_refuses_by_name(models):
+    _, model = models
+    input_ids = prompt()
+    with pytest.raises(ValueError, match="num_beams=2: beam search reorders the cache's rows"):
+        model.generate(input_ids, num_beams=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match="num_beams=2: beam search"):
+        model.generate(input_ids, num_beams=2, num_return_sequences=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match="use_cache=False: generate.. would run every step over the whole sequence"):
+        model.generate(input_ids, use_cache=False, max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="use_cache=False with a cache"):
+        model(input_ids, use_cache=False, **{model.cache_kwarg: model.new_cache(2, WIDTH)})
+    with pytest.raises(ValueError, match=r"input_ids of dtype torch.float32: token ids are an integer tensor"):
+        model(input_ids.float())
+    bad = input_ids.clone()
+    bad[1, 2] = model.config.vocab_size
+    with pytest.raises(ValueError, match=r"input_ids\[1, 2\] = 64: token ids lie in \[0, vocab_size 64\)"):
+        model(bad)
+    with pytest.raises(ValueError, match=r"the cache has 1 rows, this step 2: .*batch \* num_return_sequences rows"):
+        model(input_ids, **{model.cache_kwarg: model.new_cache(1, WIDTH)})
