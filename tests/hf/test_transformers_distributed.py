@@ -1,7 +1,9 @@
 """dcp_compile.apply(DeepseekV3ForCausalLM, DeepseekV2ForCausalLM or a family built on DeepSeek's MLA block,
 dcp_size=2) on 2 gloo ranks: generate() returns the untouched model's greedy tokens, each rank stores half of the KV, and the negative controls
 (a perturbed softmax scale, the sharded KV write disabled) fail the same comparison; and V3 at
-dcp_size=4 on 4 ranks."""
+dcp_size=4 on 4 ranks. In the same launch (tests/hf/group_steps.py): two interleaved
+conversations in caches of their own, classifier-free guidance, sampling after per-rank seeds,
+and steps the ranks disagree on."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from dcp_compile.runtime.launch import spawn  # noqa: E402
+from tests.hf.group_steps import LARGE, POOL_LOCATIONS, WIDTH, rank_runs  # noqa: E402
 from tests.hf.models import YARN, available, rank_compare  # noqa: E402
 
 LAYERS = 2
@@ -27,12 +30,24 @@ CONTROLS = {"scale+10%": {"scale_factor": 1.1}, "unsharded-write": {"apply": {"d
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """Every case in one launch of 2 ranks: {case name: [rank 0's result, rank 1's]}."""
+def launch():
+    """Every case and group_steps in one launch of 2 ranks: [rank 0's results, rank 1's]."""
     cases = {name: case for name, case in {**MATCHING, **CONTROLS}.items()
              if available(case.get("overrides", {}).get("family", "v3"))}
-    per_rank = spawn(rank_compare, DCP_SIZE, list(cases.values()))
-    return {name: [rank[i] for rank in per_rank] for i, name in enumerate(cases)}
+    return cases, spawn(rank_runs, DCP_SIZE, list(cases.values()))
+
+
+@pytest.fixture(scope="module")
+def runs(launch):
+    """{case name: [rank 0's result, rank 1's]}."""
+    cases, per_rank = launch
+    return {name: [rank["compare"][i] for rank in per_rank] for i, name in enumerate(cases)}
+
+
+@pytest.fixture(scope="module")
+def group(launch):
+    """group_steps' results, [rank 0's, rank 1's]."""
+    return [rank["group"] for rank in launch[1]]
 
 
 @pytest.mark.parametrize("case", MATCHING)
@@ -86,3 +101,53 @@ def test_dcp4_matches_transformers():
             assert after.get("dcp::merge_partials") == LAYERS
     stored = [result["tokens_stored"] for result in per_rank]
     assert sum(stored) == per_rank[0]["tokens_total"] and max(stored) - min(stored) <= 2
+
+
+def _matches_transformers(result: dict) -> None:
+    assert result["tokens_equal"]
+    assert result["logits"] < 1e-5 and result["scores"] < 1e-5
+
+
+def test_interleaved_conversations_keep_their_own_kv(group):
+    """A generate() in a cache of its own while another conversation's generate() is half done:
+    each gets transformers' tokens and logits (before, both caches took the same locations and the
+    first conversation's logits were off by up to 3.35); the pool refuses a cache that does not
+    fit beside the two, and serves it once they are dropped."""
+    for result in group:
+        _matches_transformers(result["first"])
+        _matches_transformers(result["second"])
+        kind, message = result["too_large"]
+        assert kind == "MemoryError"
+        assert f"1 row(s) of {LARGE} positions needs {LARGE} KV locations" in message
+        assert (f"the pool has {POOL_LOCATIONS} (location 0 is reserved), {POOL_LOCATIONS - 2 * WIDTH} of them free: "
+                "2 live cache(s) hold the rest") in message
+        assert result["fits_after"] == ("ok", "")
+
+
+def test_guidance_matches_transformers(group):
+    """Classifier-free guidance (guidance_scale) calls the model for its unconditional pass with
+    a cache of its own; the processed scores are transformers'."""
+    for result in group:
+        _matches_transformers(result["guidance"])
+
+
+def test_sampling_after_per_rank_seeds_draws_one_token_for_the_group(group):
+    """torch.manual_seed(100 + rank), then generate(do_sample=True): every rank returns the tokens
+    transformers samples with seed 100 (rank 0's generator, shared for the call); afterwards
+    rank 0's generator is where transformers leaves it, rank 1's is its own again."""
+    for result in group:
+        _matches_transformers(result["sampling"])
+        assert result["generator_after_sampling"]
+
+
+def test_steps_the_ranks_disagree_on_are_refused_on_every_rank(group):
+    """Other token ids, or prompts of other lengths (one a shape both ranks ran before, where the
+    shape agreement remembered it): a ValueError on every rank naming what each was given, not a
+    gloo mismatch or silently mixed shards."""
+    for result in group:
+        kind, message = result["tokens_differ"]
+        assert kind == "ValueError" and "token ids differ" in message
+        assert "rank 0: token checksum 3; rank 1: token checksum 4" in message
+        kind, message = result["lengths_differ"]
+        assert kind == "ValueError" and "rank 0: tokens 5; rank 1: tokens 4" in message
+        assert "same step with the same batch" in message

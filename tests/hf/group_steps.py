@@ -1,0 +1,106 @@
+"""What one rank of a DCP group runs for test_transformers_distributed.py's caches, sampling and
+agreement tests, each against the untouched transformers model (run on the rank itself).
+Module-level, so that spawned ranks can import it.
+
+Every DCP step here is generate()'s, of batch 1 over a cache of WIDTH positions (a prompt of 5,
+then 11 new tokens): one prefill and one decode graph serve them all, and one more guidance's
+unconditional steps."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import dcp_compile
+from tests.hf.models import prompt, rank_compare, tiny_model
+
+WIDTH = 16
+NEW_TOKENS = WIDTH - 5
+SEED = 100
+GUIDANCE = 1.5
+POOL_LOCATIONS = 2 * 65 - 1
+"""The pool's locations at DCP 2: apply's default of 1 + max_position_embeddings rows per rank,
+twice over, less location 0."""
+LARGE = 100
+"""Positions of a cache that fits the pool alone, not beside two caches of WIDTH."""
+
+
+def _outcome(call) -> tuple:
+    try:
+        call()
+        return ("ok", "")
+    except Exception as exc:  # the error each rank met, asserted by the tests
+        return (type(exc).__name__, str(exc))
+
+
+def _generate(model, input_ids, **kwargs):
+    with torch.no_grad():
+        out = model.generate(input_ids, max_new_tokens=NEW_TOKENS, output_logits=True, output_scores=True,
+                             return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.logits), torch.stack(out.scores)
+
+
+def _difference(got, want) -> dict:
+    """Token equality and the largest logits / scores difference of two _generate results."""
+    tokens_equal = bool(torch.equal(got[0], want[0]))
+    return dict(tokens_equal=tokens_equal,
+                logits=float((got[1] - want[1]).abs().max()) if tokens_equal else float("inf"),
+                # -inf where a processor masked a token (top-k) in both: inf - inf is nan, taken as equal
+                scores=float((got[2] - want[2]).nan_to_num(nan=0.0).abs().max()) if tokens_equal else float("inf"))
+
+
+def group_steps(rank: int, world: int) -> dict:
+    """Two conversations interleaved (each generate() with a cache of its own, the second run
+    while the first's cache is live), guidance, sampling after per-rank seeds, then steps the
+    ranks disagree on. Returns what each compared or raised."""
+    from transformers import LogitsProcessorList
+
+    reference = tiny_model()
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=world)
+    first, second = prompt(1)[:1], prompt(2)[:1]
+    results = {}
+
+    def interleave(input_ids, scores):
+        """After the first conversation's 4th token, the second conversation from start to end."""
+        if input_ids.shape[1] == first.shape[1] + 3:
+            cache = model.new_cache(1, WIDTH)
+            results["second"] = _difference(_generate(model, second, do_sample=False, **{model.cache_kwarg: cache}),
+                                            _generate(reference, second, do_sample=False))
+            results["too_large"] = _outcome(lambda: model.new_cache(1, LARGE))  # beside the two caches
+        return scores
+
+    results["first"] = _difference(_generate(model, first, do_sample=False,
+                                             logits_processor=LogitsProcessorList([interleave])),
+                                   _generate(reference, first, do_sample=False))
+    results["fits_after"] = _outcome(lambda: model.new_cache(1, LARGE).release())  # the two caches were dropped
+
+    # Classifier-free guidance: its unconditional pass calls the model from inside generate().
+    results["guidance"] = _difference(_generate(model, first, do_sample=False, guidance_scale=GUIDANCE),
+                                      _generate(reference, first, do_sample=False, guidance_scale=GUIDANCE))
+
+    # Sampling after a per-rank seed: every rank draws the first rank's tokens, transformers' with its seed.
+    torch.manual_seed(SEED)
+    want = _generate(reference, first, do_sample=True)
+    state_after_reference = torch.get_rng_state()
+    torch.manual_seed(SEED + rank)
+    own_state = torch.get_rng_state()
+    results["sampling"] = _difference(_generate(model, first, do_sample=True), want)
+    results["generator_after_sampling"] = bool(torch.equal(torch.get_rng_state(),
+                                                           state_after_reference if rank == 0 else own_state))
+
+    # Steps the ranks disagree on, refused on every rank before anything runs: other token ids (a
+    # model of its own, as the error stops the model), then prompts of other lengths, one of them
+    # a shape every rank ran before.
+    other = dcp_compile.apply(copy.deepcopy(reference), dcp_size=world)
+    results["tokens_differ"] = _outcome(lambda: other(torch.tensor([[3 + rank]]), **{
+        other.cache_kwarg: other.new_cache(1, WIDTH)}))
+    with torch.no_grad():
+        results["lengths_differ"] = _outcome(lambda: model.generate(first[:, :5 - rank], max_new_tokens=NEW_TOKENS + rank,
+                                                                    do_sample=False))
+    return results
+
+
+def rank_runs(rank: int, world: int, cases: list[dict]) -> dict:
+    """rank_compare's cases, then group_steps, in one launch."""
+    return dict(compare=rank_compare(rank, world, cases), group=group_steps(rank, world))
