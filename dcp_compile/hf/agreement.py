@@ -48,10 +48,11 @@ def _checksum(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 class GroupAgreement:
-    """The DCP group of one model (`group_name`, this rank `dcp_rank` of `dcp_size`)."""
+    """The DCP group of one model (`group_name`, this rank `dcp_rank` of `dcp_size`), whose
+    collectives take tensors on `device` (the KV pool's)."""
 
-    def __init__(self, dcp_size: int, dcp_rank: int, group_name: str | None):
-        self.dcp_size, self.dcp_rank, self.group_name = dcp_size, dcp_rank, group_name
+    def __init__(self, dcp_size: int, dcp_rank: int, group_name: str | None, device: torch.device):
+        self.dcp_size, self.dcp_rank, self.group_name, self.device = dcp_size, dcp_rank, group_name, device
 
     def _group(self):
         return dist.distributed_c10d._resolve_process_group(self.group_name)
@@ -61,9 +62,9 @@ class GroupAgreement:
         step's shapes, cache position and token ids. `inputs`: input_ids, or inputs_embeds."""
         if self.dcp_size == 1:
             return
-        fields = torch.tensor(_step_fields(inputs, input_ids, cache), dtype=torch.int64, device=inputs.device)
+        fields = torch.tensor(_step_fields(inputs, input_ids, cache), dtype=torch.int64, device=self.device)
         if input_ids is not None and input_ids.numel():
-            fields[-1] = _checksum(input_ids)
+            fields[-1] = _checksum(input_ids).to(self.device)
         gathered = torch.empty(self.dcp_size * len(FIELDS), dtype=torch.int64, device=fields.device)
         dist.all_gather_into_tensor(gathered, fields, group=self._group())
         per_rank = gathered.view(self.dcp_size, len(FIELDS)).tolist()
@@ -95,7 +96,7 @@ class GroupAgreement:
         own = [get() for get, _ in generators]
         group = self._group()
         for (_, set_state), state in zip(generators, own):
-            shared = state.to(device, copy=True)
+            shared = state.to(self.device, copy=True)
             dist.broadcast(shared, group=group, group_src=0)
             set_state(shared.cpu())
         try:

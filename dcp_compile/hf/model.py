@@ -129,7 +129,8 @@ class DCPTransformersModel(nn.Module):
             "(the transformers front end compiles each (batch, tokens) shape): run a few batch sizes and prompt "
             "lengths"))
         groups = state.parallel
-        self._agreement = GroupAgreement(state.config.dcp_size, groups.dcp_rank, groups.dcp_group_name)
+        self._agreement = GroupAgreement(state.config.dcp_size, groups.dcp_rank, groups.dcp_group_name,
+                                         state.kv_pool.cache(0).device)
         model.forward = self._step  # the instance's, so generate() and model(...) run the DCP step
 
     @property

@@ -15,7 +15,6 @@ import torch
 pytest.importorskip("transformers")
 
 import dcp_compile  # noqa: E402
-from dcp_compile.hf.locations import allocator  # noqa: E402
 from tests.hf.models import prompt, tiny_model  # noqa: E402
 
 WIDTH = 16
@@ -57,8 +56,6 @@ def test_two_live_caches_and_a_generate_keep_their_own_kv(models):
     reference, model = models
     histories = [prompt(1)[:1], prompt(2)[:1]]
     caches = [model.new_cache(1, WIDTH), model.new_cache(1, WIDTH)]
-    locations = [set(cache.layers[0].req_to_token.flatten().tolist()) for cache in caches]
-    assert not locations[0] & locations[1] and 0 not in locations[0] | locations[1]
 
     def step(cache, input_ids, history):
         got = _last_logits(model, input_ids, **{model.cache_kwarg: cache})
@@ -73,20 +70,27 @@ def test_two_live_caches_and_a_generate_keep_their_own_kv(models):
             step(cache, token, histories[i])
         third = prompt(3)[:1]
         _assert_matches(_generate(model, third, do_sample=False), _generate(reference, third, do_sample=False))
+    locations = [set(cache.layers[0].req_to_token.flatten().tolist()) for cache in caches]
+    assert not locations[0] & locations[1] and 0 not in locations[0] | locations[1]
+
+
+def _free_locations(model) -> int:
+    """The pool's free locations: what a cache of one row takes by default."""
+    cache = model.new_cache(1)
+    cache.release()
+    return cache.max_length
 
 
 def test_a_cache_gives_its_locations_back(models):
     _, model = models
-    pool_allocator = allocator(model.dcp_state.kv_pool)
     gc.collect()
-    free = pool_allocator.free_locations()
-    assert free == POOL_LOCATIONS  # every earlier cache was given back
+    assert _free_locations(model) == POOL_LOCATIONS  # every earlier cache was given back
     kept = model.new_cache(2, WIDTH)
     with pytest.raises(MemoryError, match=rf"a cache of 1 row\(s\) of {POOL_LOCATIONS} positions needs {POOL_LOCATIONS} KV "
                                           rf"locations; the pool has {POOL_LOCATIONS} \(location 0 is reserved\), "
                                           rf"{POOL_LOCATIONS - 2 * WIDTH} of them free: 1 live cache\(s\) hold the rest"):
         model.new_cache(1, POOL_LOCATIONS)
-    assert model.new_cache(1).max_length == POOL_LOCATIONS - 2 * WIDTH  # the default: every free location
+    assert _free_locations(model) == POOL_LOCATIONS - 2 * WIDTH
     with pytest.raises(ValueError, match=r"need 66 KV locations \(location 0 is reserved\); the pool holds 65"):
         model.new_cache(1, POOL_LOCATIONS + 1)  # more than the pool holds: never fits
     kept.release()
@@ -95,7 +99,7 @@ def test_a_cache_gives_its_locations_back(models):
     dropped = model.new_cache(1, POOL_LOCATIONS)  # fits once `kept` is released
     del dropped
     model.new_cache(1, POOL_LOCATIONS).release()  # and again, once `dropped` is garbage collected
-    assert pool_allocator.free_locations() == POOL_LOCATIONS
+    assert _free_locations(model) == POOL_LOCATIONS
 
 
 def test_guidance_matches_transformers(models):
