@@ -14,6 +14,9 @@ longer belong to one sequence. Two guarantees, for a group of more than one rank
   input's shape, the cache's rows, width and length, and a checksum of the token ids). Ranks that
   differ (other shapes, another cache position, other tokens: a sample drawn apart, prompts of
   other lengths) get the same ValueError on every rank, naming what each was given.
+  `check_generate()` does the same for a generate() call (its prompt, length and decoding) before
+  the generators are shared, so a rank that samples and a peer that does not get that error,
+  not mismatched collectives.
 """
 
 from __future__ import annotations
@@ -28,8 +31,14 @@ from dcp_compile.hf.cache import DCPCache
 CHECKSUM_PRIME = (1 << 31) - 1
 """The token checksum is sum_i ((id_i mod p) * (i + 1) mod p): a single differing token, or two
 swapped, always changes it (p is prime), and no product overflows int64."""
-FIELDS = ("batch", "tokens", "token ids given", "integer token ids", "cache rows", "cache width", "cached positions",
-          "token checksum")
+STEP_FIELDS = ("batch", "tokens", "token ids given", "integer token ids", "cache rows", "cache width",
+               "cached positions", "token checksum")
+GENERATE_FIELDS = ("batch", "prompt tokens", "generated length", "num_return_sequences", "num_beams", "sampling",
+                   "guidance", "use_cache", "prompt checksum")
+KINDS = ("a model step", "generate()")
+"""What a rank was in when it joined an agreement: the first int of every rank's vector, so that a
+rank in generate() and a peer in a step get an error, not each other's fields."""
+VECTOR = 1 + max(len(STEP_FIELDS), len(GENERATE_FIELDS))
 
 
 def _step_fields(inputs: torch.Tensor, input_ids: torch.Tensor | None, cache) -> list[int]:
@@ -38,13 +47,15 @@ def _step_fields(inputs: torch.Tensor, input_ids: torch.Tensor | None, cache) ->
         rows, width, length = cache.layers[0].batch_size, cache.max_length, cache.length()
     return [inputs.shape[0], inputs.shape[1] if inputs.dim() > 1 else -1, int(input_ids is not None),
             int(input_ids is not None and not input_ids.is_floating_point() and input_ids.dtype != torch.bool),
-            rows, width, length, 0]
+            rows, width, length]
 
 
-def _checksum(input_ids: torch.Tensor) -> torch.Tensor:
+def _checksum(input_ids: torch.Tensor | None) -> int:
+    if input_ids is None or not input_ids.numel():
+        return 0
     ids = input_ids.reshape(-1).to(torch.int64).remainder(CHECKSUM_PRIME)
     weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64, device=ids.device)
-    return (ids * weights).remainder(CHECKSUM_PRIME).sum()
+    return int((ids * weights).remainder(CHECKSUM_PRIME).sum())
 
 
 class GroupAgreement:
@@ -60,27 +71,43 @@ class GroupAgreement:
     def check_step(self, inputs: torch.Tensor, input_ids: torch.Tensor | None, cache) -> None:
         """Raise the same ValueError on every rank unless every rank of the group was given this
         step's shapes, cache position and token ids. `inputs`: input_ids, or inputs_embeds."""
-        if self.dcp_size == 1:
-            return
-        fields = torch.tensor(_step_fields(inputs, input_ids, cache), dtype=torch.int64, device=self.device)
-        if input_ids is not None and input_ids.numel():
-            fields[-1] = _checksum(input_ids).to(self.device)
-        gathered = torch.empty(self.dcp_size * len(FIELDS), dtype=torch.int64, device=fields.device)
-        dist.all_gather_into_tensor(gathered, fields, group=self._group())
-        per_rank = gathered.view(self.dcp_size, len(FIELDS)).tolist()
+        if self.dcp_size > 1:
+            self._agree(0, _step_fields(inputs, input_ids, cache) + [_checksum(input_ids)])
+
+    def check_generate(self, input_ids: torch.Tensor, generated_length: int, settings: dict[str, int]) -> None:
+        """Raise the same ValueError on every rank unless every rank's generate() call agrees (its
+        prompt, length and `settings`, GENERATE_FIELDS' ints by name), before anything of it runs."""
+        if self.dcp_size > 1:
+            self._agree(1, [input_ids.shape[0], input_ids.shape[-1], generated_length]
+                        + [settings[name] for name in GENERATE_FIELDS[3:-1]] + [_checksum(input_ids)])
+
+    def _agree(self, kind: int, values: list[int]) -> None:
+        """One all-gather of [kind, values..] (a vector of VECTOR ints) over the group."""
+        vector = torch.zeros(VECTOR, dtype=torch.int64)
+        vector[:1 + len(values)] = torch.tensor([kind] + values, dtype=torch.int64)
+        vector = vector.to(self.device)
+        gathered = torch.empty(self.dcp_size * VECTOR, dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(gathered, vector, group=self._group())
+        per_rank = gathered.view(self.dcp_size, VECTOR).tolist()
         if all(row == per_rank[0] for row in per_rank):
             return
-        differing = [name for i, name in enumerate(FIELDS) if len({row[i] for row in per_rank}) > 1]
-        if len(differing) > 1:  # other shapes or positions: the checksums differ with them
-            differing = [name for name in differing if name != "token checksum"]
-        given = "; ".join(f"rank {rank}: " + ", ".join(f"{name} {row[FIELDS.index(name)]}" for name in differing)
+        rule = ("Every rank of a DCP group must run the same step with the same batch: the same input shapes, cache "
+                "position and token ids (the same generate() call)")
+        if len({row[0] for row in per_rank}) > 1:
+            given = "; ".join(f"rank {rank} in {KINDS[row[0]]}" for rank, row in enumerate(per_rank))
+            raise ValueError(f"the DCP ranks were given different steps: {given}. {rule}")
+        names = (STEP_FIELDS, GENERATE_FIELDS)[kind]
+        differing = [i for i, _ in enumerate(names) if len({row[1 + i] for row in per_rank}) > 1]
+        if len(differing) > 1:  # other shapes or positions: the checksum differs with them
+            differing = differing[:-1] if differing[-1] == len(names) - 1 else differing
+        given = "; ".join(f"rank {rank}: " + ", ".join(f"{names[i]} {row[1 + i]}" for i in differing)
                           for rank, row in enumerate(per_rank))
         hint = ""
-        if differing == ["token checksum"]:
+        if kind == 0 and differing == [len(names) - 1]:
             hint = (" (the token ids differ: a token sampled apart on each rank? generate() samples with the group's "
                     "first rank's generator; a loop of your own must sample on one rank and broadcast the token)")
-        raise ValueError(f"the DCP ranks were given different steps{hint}: {given}. Every rank of a DCP group must run "
-                         "the same step with the same batch: the same input shapes, cache position and token ids")
+        raise ValueError(f"the DCP ranks were given different {'steps' if kind == 0 else 'generate() calls'}{hint}: "
+                         f"{given}. {rule}")
 
     @contextlib.contextmanager
     def shared_generators(self, device: torch.device):

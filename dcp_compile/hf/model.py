@@ -159,28 +159,33 @@ class DCPTransformersModel(nn.Module):
         if cache is None:
             cache = kwargs.pop("past_key_values", None)  # the deprecated name
         setting = self._generation_settings(kwargs)
-        if (setting("num_beams") or 1) > 1:
-            raise ValueError(f"num_beams={setting('num_beams')}: beam search reorders the cache's rows at every step, "
-                             "and a DCP cache's rows are fixed KV locations sharded over the DCP ranks; use num_beams=1 "
-                             "(greedy or sampled decoding; num_return_sequences for several samples of one prompt)")
-        if setting("use_cache") is False:
-            raise ValueError("use_cache=False: generate() would run every step over the whole sequence without a cache, "
-                             "and a DCP model's attention runs over its sharded KV cache; leave use_cache at its "
-                             "default, True")
         input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         if input_ids is None:
             raise ValueError("generate() on a DCP model needs input_ids (inputs_embeds alone cannot size the cache)")
         length = self._generated_length(input_ids, setting)
+        beams, samples = setting("num_beams") or 1, setting("num_return_sequences") or 1
+        sampling, use_cache = bool(setting("do_sample")), setting("use_cache") is not False
+        self._agreement.check_generate(input_ids, length, {
+            "num_return_sequences": samples, "num_beams": beams, "sampling": int(sampling),
+            "guidance": int(setting("guidance_scale") not in (None, 1)), "use_cache": int(use_cache)})
+        if beams > 1:
+            raise ValueError(f"num_beams={beams}: beam search reorders the cache's rows at every step, and a DCP "
+                             "cache's rows are fixed KV locations sharded over the DCP ranks; use num_beams=1 (greedy "
+                             "or sampled decoding; num_return_sequences for several samples of one prompt)")
+        if not use_cache:
+            raise ValueError("use_cache=False: generate() would run every step over the whole sequence without a cache, "
+                             "and a DCP model's attention runs over its sharded KV cache; leave use_cache at its "
+                             "default, True")
         if cache is None:
-            cache = self.new_cache(input_ids.shape[0] * (setting("num_return_sequences") or 1), length)
+            cache = self.new_cache(input_ids.shape[0] * samples, length)
         # The unconditional pass of guidance: the negative prompt (else the prompt's last token)
         # and every new token; at least this call's width, so that its steps reuse the decode graph.
         unconditional = kwargs.get("negative_prompt_ids")
         unconditional_length = (unconditional.shape[1] if unconditional is not None else 1) + length - input_ids.shape[1]
         token = _CACHE_LENGTH_IN_GENERATE.set(max(length, unconditional_length))
-        sampling = self._agreement.shared_generators(self.model.device) if setting("do_sample") else contextlib.nullcontext()
+        generators = self._agreement.shared_generators(self.model.device) if sampling else contextlib.nullcontext()
         try:
-            with sampling:
+            with generators:
                 return self.model.generate(*args, **{self.cache_kwarg: cache}, **kwargs)
         finally:
             _CACHE_LENGTH_IN_GENERATE.reset(token)

@@ -141,13 +141,22 @@ def test_sampling_after_per_rank_seeds_draws_one_token_for_the_group(group):
 
 
 def test_steps_the_ranks_disagree_on_are_refused_on_every_rank(group):
-    """Other token ids, or prompts of other lengths (one a shape both ranks ran before, where the
-    shape agreement remembered it): a ValueError on every rank naming what each was given, not a
-    gloo mismatch or silently mixed shards."""
+    """Other token ids, other prompt lengths (one a shape both ranks ran before, which the shape
+    agreement remembered), a rank in generate() and its peer in a step, generate() calls that
+    sample on one rank only: a ValueError on every rank naming what each was given, not a gloo
+    mismatch (SIGABRT) or silently mixed shards. A refused generate() call leaves the model serving."""
+    rule = "same step with the same batch"
     for result in group:
         kind, message = result["tokens_differ"]
-        assert kind == "ValueError" and "token ids differ" in message
+        assert kind == "ValueError" and "token ids differ" in message and rule in message
         assert "rank 0: token checksum 3; rank 1: token checksum 4" in message
-        kind, message = result["lengths_differ"]
-        assert kind == "ValueError" and "rank 0: tokens 5; rank 1: tokens 4" in message
-        assert "same step with the same batch" in message
+        kind, message = result["step_lengths_differ"]
+        assert kind == "ValueError" and "different steps: rank 0: tokens 5; rank 1: tokens 4." in message
+        kind, message = result["generate_and_step"]
+        assert kind == "ValueError" and "rank 0 in generate(); rank 1 in a model step" in message
+        kind, message = result["prompt_lengths_differ"]
+        assert kind == "ValueError"
+        assert "different generate() calls: rank 0: prompt tokens 5; rank 1: prompt tokens 4." in message
+        kind, message = result["sampling_differs"]
+        assert kind == "ValueError" and "generate() calls: rank 0: sampling 1; rank 1: sampling 0." in message
+        _matches_transformers(result["after_refused_calls"])
