@@ -13,6 +13,10 @@ instead of importing torch_npu; nothing else in the project knows the device is 
   values of the capture, `update(cpu_update_input=...)` rewrites FIA's host lengths by argument
   name, and a pageable host-to-device copy or any device-to-host read during a capture is an
   error, as on hardware;
+- torch_npu's op coverage (op_coverage.py): an aten op that torch_npu runs on the host (no NPU
+  kernel in op-plugin's table, or a kernel's own CPU fallback) is an error in a capture, and
+  outside one is counted (`ops_off_device()`) as a host sync (`host_syncs()`), as a blocking
+  device-to-host copy or scalar read is;
 - an `hccl` process-group backend (hccl.py) that runs collectives through gloo on the host
   views of npu tensors, functional collectives and collectives inside graphs included.
 
@@ -54,6 +58,22 @@ def _load_extension() -> None:
                        is_python_module=False, extra_cflags=["-O1"], verbose=False)
 
 
+def host_syncs() -> int:
+    """Host syncs since the last reset_host_syncs(): blocking device-to-host reads (`.item()`,
+    `.tolist()`, `.cpu()`) and calls of aten ops torch_npu runs on the host."""
+    return int(torch.ops.dcp_npu_emulator.host_syncs())
+
+
+def ops_off_device() -> dict[str, int]:
+    """Calls of aten ops torch_npu runs on the host since the last reset_host_syncs(), by op."""
+    names, calls = torch.ops.dcp_npu_emulator.ops_off_device()
+    return dict(zip(names, calls))
+
+
+def reset_host_syncs() -> None:
+    torch.ops.dcp_npu_emulator.reset_host_syncs()
+
+
 def install(device_count: int = DEVICE_COUNT) -> None:
     """Make the emulated `npu` device, `torch.npu` and the `hccl` backend available (idempotent)."""
     global _done
@@ -66,6 +86,9 @@ def install(device_count: int = DEVICE_COUNT) -> None:
             raise RuntimeError("torch_npu is installed: the NPU emulator stands in for it only where it is absent")
         _load_extension()
         torch.ops.dcp_npu_emulator.set_device_count(device_count)
+        from dcp_compile.testing.npu_emulator import op_coverage
+
+        torch.ops.dcp_npu_emulator.register_device_kernels(sorted(op_coverage.FALLBACKS))
         torch.utils.rename_privateuse1_backend("npu")
         from dcp_compile.testing.npu_emulator import hccl, module
 

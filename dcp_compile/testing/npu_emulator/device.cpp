@@ -10,6 +10,10 @@
 //   aliases an argument stays an npu view of it). An op of another namespace that has no npu
 //   kernel fails as it does on a device without one: "Could not run '...' with arguments from
 //   the 'npu' backend".
+// - Op coverage: an aten op that torch_npu runs on the host (no NPU kernel, or a kernel whose CPU
+//   fallback takes these arguments: op_coverage.py decides, asked once per op, and per call
+//   for ops whose kernels fall back conditionally) is counted as off the device and as a host
+//   sync; a blocking device-to-host copy and a scalar read count as host syncs too.
 // - Hooks: pinned host memory (a set of pinned blocks, so that a capture can tell pageable
 //   copies from pinned ones).
 
@@ -33,10 +37,13 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/library.h>
 
 #include <atomic>
+#include <map>
 #include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace dcp_npu_emulator {
@@ -207,8 +214,16 @@ const at::Tensor& resize(const at::Tensor& self, c10::SymIntArrayRef size, std::
   return at::native::resize_(self, C10_AS_INTARRAYREF_SLOW(size), format);
 }
 
+// Host syncs: blocking reads of the device by the host, and calls of ops torch_npu runs on the host.
+std::atomic<int64_t> host_sync_count{0};
+std::mutex off_device_mutex;
+std::map<std::string, int64_t> off_device_calls;
+
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   // One side at least is an npu tensor; both are host memory.
+  if (!self.is_cpu() && dst.is_cpu() && !non_blocking) {
+    ++host_sync_count;
+  }
   at::Tensor source = self.is_cpu() ? self : as_host(self);
   at::Tensor target = dst.is_cpu() ? dst : as_host(dst);
   at::native::copy_(target, source, non_blocking);
@@ -220,7 +235,10 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
-at::Scalar local_scalar_dense(const at::Tensor& self) { return at::native::_local_scalar_dense_cpu(as_host(self)); }
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  ++host_sync_count;
+  return at::native::_local_scalar_dense_cpu(as_host(self));
+}
 
 at::Tensor& set_source_storage(at::Tensor& self, at::Storage source) { return at::native::set_(self, source); }
 
@@ -274,6 +292,45 @@ c10::IValue to_device(const c10::IValue& result, const std::vector<std::pair<at:
   return out;
 }
 
+// Verdicts of op_coverage.py, per operator: 0 on the device, 1 off it, 2 decided per call.
+constexpr int8_t kOffDevice = 1;
+constexpr int8_t kConditional = 2;
+std::mutex verdict_mutex;
+std::unordered_map<const c10::FunctionSchema*, int8_t> verdicts;
+
+bool runs_on_host(const c10::FunctionSchema& schema, const torch::jit::Stack& stack) {
+  int8_t verdict = -1;
+  {
+    std::lock_guard<std::mutex> lock(verdict_mutex);
+    auto found = verdicts.find(&schema);
+    if (found != verdicts.end()) {
+      verdict = found->second;
+    }
+  }
+  if (verdict == kOffDevice) {
+    return true;
+  }
+  if (verdict == 0) {
+    return false;
+  }
+  const std::string name = schema.name().substr(6);  // past "aten::"
+  pybind11::gil_scoped_acquire gil;  // the lock is not held here: Python may wait on another thread
+  auto coverage = pybind11::module_::import("dcp_compile.testing.npu_emulator.op_coverage");
+  if (verdict == -1) {
+    verdict = coverage.attr("verdict")(name, schema.overload_name()).cast<int8_t>();
+    std::lock_guard<std::mutex> lock(verdict_mutex);
+    verdicts[&schema] = verdict;
+  }
+  if (verdict != kConditional) {
+    return verdict == kOffDevice;
+  }
+  pybind11::list arguments;
+  for (const auto& value : torch::jit::last(stack, schema.arguments().size())) {
+    arguments.append(torch::jit::toPyObject(value));
+  }
+  return coverage.attr("falls_back")(name, schema.overload_name(), arguments).cast<bool>();
+}
+
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto& name = schema.name();
@@ -281,6 +338,11 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       name.rfind("aten::", 0) == 0, "Could not run '", name,
       "' with arguments from the 'npu' backend. This could be because the operator doesn't exist for this backend "
       "(the dcp_compile npu emulator runs aten ops on the host, and other ops only where they have an npu kernel)");
+  if (runs_on_host(schema, *stack)) {
+    ++host_sync_count;
+    std::lock_guard<std::mutex> lock(off_device_mutex);
+    ++off_device_calls[c10::toString(schema.operator_name())];
+  }
   const auto num_arguments = schema.arguments().size();
   auto arguments = torch::jit::last(stack, num_arguments);
   const auto first = stack->size() - num_arguments;
@@ -367,6 +429,22 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>()); }
 
+// Ops torch_npu gives kernels of their own where torch has a composite one (scatter_reduce's
+// functional and in-place forms, whose NPU kernels fall back to the CPU on some arguments): the
+// fallback above, registered as their npu kernel, so that it sees them rather than the out= op
+// torch's composite would call.
+void register_device_kernels(std::vector<std::string> names) {
+  static std::mutex mutex;
+  static std::vector<std::unique_ptr<torch::Library>> libraries;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
+                                                  __FILE__, __LINE__);
+  for (const auto& name : names) {
+    library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  }
+  libraries.push_back(std::move(library));
+}
+
 at::Tensor host_view(const at::Tensor& tensor) {
   TORCH_CHECK(tensor.device().type() == kNPU, "host_view takes an npu tensor, got ", tensor.device());
   return as_host(tensor);
@@ -387,12 +465,35 @@ bool is_pinned_host(const at::Tensor& tensor) {
   return pinned_blocks.count(tensor.storage().data()) > 0;
 }
 
+int64_t host_syncs() { return host_sync_count.load(); }
+
+std::tuple<std::vector<std::string>, std::vector<int64_t>> ops_off_device() {
+  std::lock_guard<std::mutex> lock(off_device_mutex);
+  std::vector<std::string> names;
+  std::vector<int64_t> calls;
+  for (const auto& [name, count] : off_device_calls) {
+    names.push_back(name);
+    calls.push_back(count);
+  }
+  return {names, calls};
+}
+
+void reset_host_syncs() {
+  host_sync_count.store(0);
+  std::lock_guard<std::mutex> lock(off_device_mutex);
+  off_device_calls.clear();
+}
+
 TORCH_LIBRARY(dcp_npu_emulator, m) {
   m.def("host_view(Tensor(a) self) -> Tensor(a)");
   m.impl("host_view", c10::DispatchKey::PrivateUse1, TORCH_FN(host_view));
   m.def("set_device_count(int count) -> ()", TORCH_FN(set_device_count));
   m.def("set_device(int index) -> ()", TORCH_FN(set_device));
   m.def("get_device() -> int", TORCH_FN(get_device));
+  m.def("register_device_kernels(str[] names) -> ()", TORCH_FN(register_device_kernels));
+  m.def("host_syncs() -> int", TORCH_FN(host_syncs));
+  m.def("ops_off_device() -> (str[], int[])", TORCH_FN(ops_off_device));
+  m.def("reset_host_syncs() -> ()", TORCH_FN(reset_host_syncs));
   m.def("is_pinned_host(Tensor self) -> bool");
   m.impl("is_pinned_host", c10::DispatchKey::CPU, TORCH_FN(is_pinned_host));
 }

@@ -9,8 +9,9 @@
   is told with `update`.
 - **Host traffic in a capture is an error**, as it would serialise or fail there: a copy from
   pageable host memory to the device, and any device-to-host read (`.item()`, `.tolist()`,
-  `.cpu()`, `nonzero`, printing). A copy from pinned host memory is recorded: replay reads the
-  host buffer as it is then.
+  `.cpu()`, `nonzero`, printing), and an aten op that torch_npu runs on the host (op_coverage.py:
+  no NPU kernel, or its kernel's CPU fallback). A copy from pinned host memory is recorded:
+  replay reads the host buffer as it is then.
 - **`update(cpu_update_input=[{...}, ...])`** rewrites the host lengths of the recorded FIA
   calls, one dict per call in capture order, by argument name (`actual_seq_lengths`,
   `actual_seq_lengths_kv` for FIA v1, `actual_seq_qlen`, `actual_seq_kvlen` for v2), as torch_npu
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from dcp_compile.testing.npu_emulator import op_coverage
 
 aten = torch.ops.aten
 UPDATABLE = {"npu_fused_infer_attention_score": ("actual_seq_lengths", "actual_seq_lengths_kv"),
@@ -109,6 +112,10 @@ def _check_host_traffic(func, args, kwargs) -> None:
             raise CaptureError("a device-to-host copy inside an NPU graph capture")
         if _on_device(target) and not _on_device(source) and isinstance(source, torch.Tensor) and not source.is_pinned():
             raise CaptureError("a host-to-device copy from pageable memory inside an NPU graph capture (pin it)")
+    if op_coverage.off_device(func, args, kwargs):
+        raise CaptureError(f"{func} runs on the host under torch_npu (no NPU kernel, or its kernel's CPU fallback for "
+                           f"these arguments: npu_emulator/op_coverage.py), which an NPU graph capture cannot record; "
+                           f"issued at {op_coverage.issuing_source()}")
 
 
 def _meta(value):
