@@ -274,7 +274,7 @@ def first_query_positions(q_seq_ids, q_positions, rows: int):
     Tokens are grouped by row in row order, a row's positions ascending (RequestTable's batches,
     which the host metadata checks), so a row's first token holds it: found by a binary search of
     the row ids, with no scatter (torch_npu runs an int64 `scatter_reduce(..., "amin")` on the
-    host: docs/ascend.md §17)."""
+    host: docs/ascend.md §16)."""
     if q_seq_ids.numel() == 0:
         return torch.full((rows,), NEVER_VISIBLE, dtype=q_positions.dtype, device=q_positions.device)
     row_ids = torch.arange(rows, dtype=q_seq_ids.dtype, device=q_seq_ids.device)

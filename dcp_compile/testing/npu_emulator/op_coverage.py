@@ -9,7 +9,7 @@ graph capture, where only device (aclnn) work can be recorded.
 
 The kernels: npu_aten_ops.OPS (generated from op-plugin's yaml at a named commit), plus every op
 with a composite kernel (torch runs those as the ops they are made of, each judged in turn when
-it reaches the device). docs/ascend.md §17 lists the sources.
+it reaches the device). docs/ascend.md §16 lists the sources.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ FALLBACKS = {
 }
 """NPU kernels that run some of their calls on the host, by table name: the condition, over the
 op's arguments in schema order. Read in op-plugin @ 517f2e7d for every aten op of the project's
-NPU graphs (docs/ascend.md §17): no other kernel of theirs leaves the device (the `.item()`
+NPU graphs (docs/ascend.md §16): no other kernel of theirs leaves the device (the `.item()`
 calls of the binary ops' kernels read 0-dim *host* tensors, as Python scalars)."""
 
 
