@@ -271,16 +271,12 @@ def check_attention_metadata(req_to_token, seq_lens, q_seq_ids, q_positions, out
 def first_query_positions(q_seq_ids, q_positions, rows: int):
     """Each row's smallest query position; NEVER_VISIBLE for a row without queries.
 
-    Tokens are grouped by row in row order, a row's positions ascending (RequestTable's batches,
-    which the host metadata checks), so a row's first token holds it: found by a binary search of
-    the row ids, with no scatter (torch_npu runs an int64 `scatter_reduce(..., "amin")` on the
-    host: docs/ascend.md §16)."""
-    if q_seq_ids.numel() == 0:
-        return torch.full((rows,), NEVER_VISIBLE, dtype=q_positions.dtype, device=q_positions.device)
+    A masked minimum over [rows, tokens], in any token order, with no scatter: torch_npu runs an
+    int64 `scatter_reduce(..., "amin")` on the host (docs/ascend.md §16)."""
     row_ids = torch.arange(rows, dtype=q_seq_ids.dtype, device=q_seq_ids.device)
-    first_token = torch.searchsorted(q_seq_ids, row_ids).clamp(max=q_seq_ids.numel() - 1)
-    has_queries = q_seq_ids.index_select(0, first_token) == row_ids
-    return torch.where(has_queries, q_positions.index_select(0, first_token), NEVER_VISIBLE)
+    mine = q_seq_ids[None, :] == row_ids[:, None]
+    never = torch.full((), NEVER_VISIBLE, dtype=q_positions.dtype, device=q_positions.device)
+    return torch.where(mine, q_positions[None, :], never).amin(dim=1) if q_seq_ids.numel() else never.expand(rows).clone()
 
 
 def window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions,

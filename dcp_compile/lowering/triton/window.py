@@ -8,7 +8,7 @@ T x window cache rows in all: a few microseconds next to the paged call.
 
 One program per (query, head tile): it loads the window's rows once for every head of its tile,
 computes their scores with two dots, and merges its (out, lse) with the prefix's. The row's
-first query position comes from `reference.first_query_positions` (a binary search of the row ids on the device).
+first query position comes from `reference.first_query_positions` (a masked minimum on the device).
 """
 
 from __future__ import annotations
