@@ -43,11 +43,10 @@ class LocationAllocator:
     def allocate(self, count: int, what: str) -> tuple[int, torch.Tensor]:
         """`count` free locations, ascending, as (allocation id, int64 tensor); `what` names the
         request in the error when they are not free."""
+        if count > self.free_locations():
+            gc.collect()  # caches dropped inside reference cycles (outside the lock: gc runs arbitrary code)
         with self._lock:
             self._take_back_returned()
-            if count > self._free_count():
-                gc.collect()  # caches dropped inside reference cycles
-                self._take_back_returned()
             free = self._free_count()
             if count > free:
                 raise MemoryError(
