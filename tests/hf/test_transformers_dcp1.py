@@ -4,7 +4,6 @@ the refusals (the multi-rank runs are in test_transformers_distributed.py)."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
