@@ -130,15 +130,16 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = DE
     processes = [ctx.Process(target=_worker, args=(rank, world_size, os.getpid(), port, backend, timeout, fn, args, results),
                              daemon=False)
                  for rank in range(world_size)]
-    for process in processes:
-        process.start()
     try:
+        for process in processes:  # inside the try: a Ctrl-C between two starts still stops the first
+            process.start()
         return _collect(processes, results, world_size)
     finally:
-        for process in processes:
+        started = [process for process in processes if process.pid is not None]
+        for process in started:
             if process.is_alive():
                 process.kill()  # SIGKILL: a stopped (SIGSTOP) rank ignores SIGTERM until continued
-        for process in processes:
+        for process in started:
             process.join()
         results.close()
 

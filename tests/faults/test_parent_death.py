@@ -4,6 +4,7 @@ and where the parent-death signal is not available (the watchdog thread)."""
 
 from __future__ import annotations
 
+import multiprocessing.context
 import os
 import signal
 import subprocess
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from dcp_compile.runtime import launch
 
 REPO = Path(__file__).resolve().parents[2]
 RANKS = 2
@@ -94,3 +97,21 @@ def test_without_the_parent_death_signal_a_watchdog_thread_kills_the_rank(tmp_pa
         parent.kill()
         parent.wait()
     _assert_gone(pids)
+
+
+def test_a_ctrl_c_between_two_rank_starts_stops_the_started_rank(monkeypatch):
+    """spawn() starts its ranks inside its cleanup's try: a KeyboardInterrupt after the first
+    start kills and reaps that rank instead of leaving it running."""
+    started = []
+    real_start = multiprocessing.context.SpawnProcess.start
+
+    def start_then_interrupt(process):
+        if started:
+            raise KeyboardInterrupt
+        real_start(process)
+        started.append(process)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        launch.spawn(_write_pid_and_sleep, RANKS, "/nonexistent")
+    assert len(started) == 1 and started[0].exitcode is not None and not _alive(started[0].pid)
