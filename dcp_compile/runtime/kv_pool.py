@@ -214,7 +214,8 @@ class MLAKVPool(nn.Module):
             bytes_per_rank=self.rows_per_rank * per_row * self.num_layers,
             usable_locations=usable,
             unsharded_usable_locations=unsharded_usable,
-            capacity_ratio=usable / unsharded_usable,
+            # Rows of one page per rank: unsharded, the reserved page is all there is.
+            capacity_ratio=usable / unsharded_usable if unsharded_usable > 0 else math.inf,
             rows_lost=self.rows_per_rank * self.dcp_size - usable,
         )
 

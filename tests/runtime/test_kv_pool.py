@@ -52,3 +52,13 @@ def test_interleave_must_divide_page_size():
         pool.reshard(2, 0, interleave=3)
     pool.reshard(2, 0, interleave=8)
     assert pool.report().usable_locations == 64 * 2 - 8  # the first page holds location 0
+
+
+def test_a_shard_of_one_page_per_rank_reports_its_capacity():
+    """Unsharded, a pool of one page holds no usable location (the page holds location 0): the
+    sharded pool's ratio to it is infinite, not a division by zero."""
+    pool = MLAKVPool(1, 32, 4, 2, page_size=16)
+    pool.reshard(2, 1, keep="capacity")
+    report = pool.report()
+    assert pool.rows_per_rank == 16 and report.usable_locations == 16 and report.unsharded_usable_locations == 0
+    assert report.capacity_ratio == float("inf")
