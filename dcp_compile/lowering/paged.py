@@ -84,6 +84,10 @@ class HostPlaceholders:
     def prefix_lens(self) -> list[fx.Node]:
         return self._ints("local_prefix_len", [0] * self.rows)
 
+    def prefix_lens_tensor(self) -> fx.Node:
+        """The rows' local prefix lengths as one device tensor [B] int64, fed each step."""
+        return self.tensor("local_prefix_len", None, (self.rows,), torch.int64)
+
     def query_lens(self) -> list[fx.Node]:
         return self._ints("query_len", [self.tokens // self.rows] * self.rows)
 
@@ -131,9 +135,23 @@ def site_key_positions(graph: fx.Graph, site: PoolAttention) -> fx.Node:
     return call(graph, aten.expand.default, columns, [size_of(graph, site.req_to_token, 0), width])
 
 
-def lower_pool_attention(graph: fx.Graph, site: PoolAttention, kernel: PrefixKernel, split: bool, reader: str) -> None:
-    """Replace one attention over the pool by `kernel`, plus window attention where `split` (verify
-    and short extend rows); `reader` names the kernel in errors."""
+def window_attention(graph: fx.Graph, site: PoolAttention, out: fx.Node, lse: fx.Node, q_latent: fx.Node,
+                     q_rope: fx.Node, window: int) -> tuple[fx.Node, fx.Node]:
+    """dcp.window_attention: the keys at or after each row's first query, read through the page table."""
+    completed = call(graph, targets.WINDOW_ATTENTION, out, lse, q_latent, q_rope, site.cache, site.page_table,
+                     site.local_lens, site_key_positions(graph, site), site.q_seq_ids, site.q_positions, site.sm_scale,
+                     window)
+    return call(graph, operator.getitem, completed, 0), call(graph, operator.getitem, completed, 1)
+
+
+WindowKernel = Callable[[fx.Graph, PoolAttention, fx.Node, fx.Node, fx.Node, fx.Node, int], tuple[fx.Node, fx.Node]]
+"""(graph, site, out, lse, q_latent, q_rope, window) -> (out, lse) completed with the window's keys."""
+
+
+def lower_pool_attention(graph: fx.Graph, site: PoolAttention, kernel: PrefixKernel, split: bool, reader: str,
+                         window: WindowKernel = window_attention) -> None:
+    """Replace one attention over the pool by `kernel`, plus `window` attention where `split`
+    (verify and short extend rows); `reader` names the kernel in errors."""
     tokens = fake_value(site.q_latent).shape[0]
     rows, width = fake_value(site.req_to_token).shape
     decode = tokens == rows
@@ -146,11 +164,7 @@ def lower_pool_attention(graph: fx.Graph, site: PoolAttention, kernel: PrefixKer
             q_rope = call(graph, aten._to_copy.default, q_rope, dtype=fake_value(q_latent).dtype)
         out, lse = kernel(graph, site, q_latent, q_rope, decode)
         if split and not decode:
-            key_positions = site_key_positions(graph, site)
-            completed = call(graph, targets.WINDOW_ATTENTION, out, lse, q_latent, q_rope, site.cache, site.page_table,
-                             site.local_lens, key_positions, site.q_seq_ids, site.q_positions, site.sm_scale,
-                             min(targets.WINDOW_QUERIES, width))
-            out, lse = (call(graph, operator.getitem, completed, i) for i in range(2))
+            out, lse = window(graph, site, out, lse, q_latent, q_rope, min(targets.WINDOW_QUERIES, width))
     replace_attention(graph, site.node, site.returns_lse, out, lse, reader)
 
 
@@ -180,6 +194,11 @@ class PagedAttentionPass(GraphPass):
         """The prefix kernel of one site (see PrefixKernel); block_table: the checked table."""
         raise NotImplementedError
 
+    def window(self, graph: fx.Graph, site: PoolAttention, out: fx.Node, lse: fx.Node, q_latent: fx.Node,
+               q_rope: fx.Node, window: int) -> tuple[fx.Node, fx.Node]:
+        """The window attention of split rows (see WindowKernel)."""
+        return window_attention(graph, site, out, lse, q_latent, q_rope, window)
+
     def finish(self, gm: fx.GraphModule, config: PassConfig) -> int:
         """After the sites: the lowering's other rewrites; returns how many."""
         return 0
@@ -200,6 +219,7 @@ class PagedAttentionPass(GraphPass):
             def kernel(graph, site, q_latent, q_rope, decode):
                 return self.kernel(graph, site, q_latent, q_rope, decode, host, table, block_size)
 
+            self.host = host
             for site in found:
-                lower_pool_attention(graph, site, kernel, self.split(config, site), self.reader)
+                lower_pool_attention(graph, site, kernel, self.split(config, site), self.reader, self.window)
         return len(found) + self.finish(gm, config)

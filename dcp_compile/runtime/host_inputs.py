@@ -40,7 +40,7 @@ class HostInput:
     """'block_table' (this rank's [B, W] int32 local block ids), one of LENGTH_KINDS, or a kind
     of the lowering's own that its feed serves (HostFeed.value)."""
     index: int | None = None
-    """The row, for a length."""
+    """The row, for a length (a host int); None: every row's length, as one device tensor [B]."""
 
 
 class StaleHostInputsError(RuntimeError):
@@ -100,6 +100,8 @@ class HostFeed:
         for i, (node, host_input) in enumerate(zip(self.placeholders, self.inputs)):
             if host_input.kind == "block_table":
                 values.append(self._table(i, node, host))
+            elif host_input.kind in lengths and host_input.index is None:  # every row's, as one device tensor
+                values.append(self._copied(i, node.meta["val"], torch.tensor(lengths[host_input.kind])))
             elif host_input.kind in lengths:
                 values.append(lengths[host_input.kind][host_input.index])
             else:
@@ -112,11 +114,15 @@ class HostFeed:
         if host.block_table is None or tuple(host.block_table.shape) != tuple(example.shape):
             raise ValueError(f"the graph reads a {list(example.shape)} block table; host metadata has "
                              f"{None if host.block_table is None else list(host.block_table.shape)}")
+        return self._copied(i, example, host.block_table)
+
+    def _copied(self, i: int, example, host_tensor: torch.Tensor) -> torch.Tensor:
+        """The device buffer of placeholder i (made once, never moved), with host_tensor copied in."""
         if i not in self._buffers:
             self._buffers[i] = torch.zeros(example.shape, dtype=example.dtype, device=example.device)
         buffer = self._buffers[i]
         if not devices.capturing(buffer.device):
-            buffer.copy_(host.block_table, non_blocking=True)
+            buffer.copy_(host_tensor, non_blocking=True)
         return buffer
 
     def examples(self) -> list:

@@ -48,6 +48,7 @@ import torch.fx as fx
 
 from dcp_compile.lowering import paged
 from dcp_compile.lowering.npu import ensure_ops
+from dcp_compile.lowering.npu import native, native_ops
 from dcp_compile.lowering.npu import ops as npu_ops
 from dcp_compile.lowering.npu.options import FIA_VERSIONS, NPUOptions
 from dcp_compile.ops import targets
@@ -86,6 +87,12 @@ def has_fia_v2() -> bool:
     """Whether the npu ops (torch_npu's, or the stand-ins) include FIA v2."""
     ensure_ops()
     return hasattr(torch.ops.npu, "npu_fused_infer_attention_score_v2")
+
+
+def has_scatter_pa_kv_cache() -> bool:
+    """Whether the npu ops include npu_scatter_pa_kv_cache (the native KV write)."""
+    ensure_ops()
+    return hasattr(torch.ops.npu, "npu_scatter_pa_kv_cache")
 
 
 def attention_update_op():
@@ -130,10 +137,23 @@ class LowerNPUAttention(paged.PagedAttentionPass):
     def __init__(self, options: NPUOptions = NPUOptions()):
         self.options = options
 
+    def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
+        self.config = config
+        return super().run(gm, config)
+
     def prepare(self, gm: fx.GraphModule) -> None:
         ensure_ops()
         self._views: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
         self._masks: dict[int, tuple[fx.Node, fx.Node]] = {}
+        self._native = self.options.npu_kernels == "native"
+
+    def window(self, graph, site, out, lse, q_latent, q_rope, window):
+        if not self._native:
+            return super().window(graph, site, out, lse, q_latent, q_rope, window)
+        latent, rope, slots = native.step_tokens(graph, site.cache, self.config)
+        completed = call(graph, native_ops.STEP_WINDOW, out, lse, q_latent, q_rope, latent, rope, slots, site.q_seq_ids,
+                         site.q_positions, site.sm_scale, window)
+        return call(graph, operator.getitem, completed, 0), call(graph, operator.getitem, completed, 1)
 
     def split(self, config: PassConfig, site: sites.PoolAttention) -> bool:
         return self.options.npu_verify != "mask" or self._unmaskable(site)
@@ -149,8 +169,24 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         mask = None
         if not decode and self.options.npu_verify == "mask" and not self._unmaskable(site):
             mask = self._mask(graph, site, host, block_size)
+        counts = None if mask is not None else self._key_counts(graph, site, host, decode)
         return self._fia(graph, site, q_latent, q_rope, host, block_table, self._views[site.cache], block_size, decode,
-                         self.options.fia_version, mask)
+                         self.options.fia_version, mask, counts)
+
+    def _key_counts(self, graph, site, host: paged.HostPlaceholders, decode: bool) -> fx.Node:
+        """Per query token, the keys its FIA call attends over (every local key of its row in decode,
+        else those before the row's first query), to mask the rows FIA saw empty whatever FIA
+        returned for them, as SGLang masks them (CANN >= 8.5 was read to give lse +inf there,
+        docs/ascend.md §7.2). Native: from the host-fed prefix lengths and this step's own tokens."""
+        if not self._native:
+            positions = None if decode else paged.site_key_positions(graph, site)
+            return call(graph, npu_ops.PREFIX_KEY_COUNTS, site.local_lens, positions, site.q_seq_ids, site.q_positions,
+                        decode)
+        prefix = host.prefix_lens_tensor()
+        if not decode:
+            return call(graph, aten.index_select.default, prefix, 0, site.q_seq_ids)
+        _, _, slots = native.step_tokens(graph, site.cache, self.config)
+        return call(graph, native_ops.STEP_KEY_COUNTS, prefix, slots, site.q_seq_ids, site.q_positions, 1)
 
     @staticmethod
     def _unmaskable(site) -> bool:
@@ -162,9 +198,16 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         per graph (every layer's site reads the same positions)."""
         width = host.blocks * block_size  # FIA checks the mask's width against the paged capacity
         if width not in self._masks:
-            positions = paged.site_key_positions(graph, site)
-            made = call(graph, npu_ops.RANK_CAUSAL_MASK, positions, site.local_lens, site.q_positions, width)
-            self._masks[width] = (call(graph, operator.getitem, made, 0), call(graph, operator.getitem, made, 1))
+            if self._native:
+                _, _, slots = native.step_tokens(graph, site.cache, self.config)
+                counts = call(graph, native_ops.STEP_KEY_COUNTS, host.prefix_lens_tensor(), slots, site.q_seq_ids,
+                              site.q_positions, targets.WINDOW_QUERIES)
+                rows = fake_value(site.req_to_token).shape[0]
+                self._masks[width] = (call(graph, native_ops.STEP_CAUSAL_MASK, counts, rows, width), counts)
+            else:
+                positions = paged.site_key_positions(graph, site)
+                made = call(graph, npu_ops.RANK_CAUSAL_MASK, positions, site.local_lens, site.q_positions, width)
+                self._masks[width] = (call(graph, operator.getitem, made, 0), call(graph, operator.getitem, made, 1))
         return self._masks[width]
 
     def finish(self, gm: fx.GraphModule, config: PassConfig) -> int:
@@ -193,7 +236,7 @@ class LowerNPUAttention(paged.PagedAttentionPass):
 
     @staticmethod
     def _fia(graph, site, q_latent, q_rope, host: paged.HostPlaceholders, block_table, views, block_size: int,
-             decode: bool, version: int = 1, mask: tuple[fx.Node, fx.Node] | None = None):
+             decode: bool, version: int = 1, mask: tuple[fx.Node, fx.Node] | None = None, counts: fx.Node | None = None):
         tokens, heads, rank_dim = fake_value(q_latent).shape
         rope_dim = fake_value(q_rope).shape[-1]
         rows = fake_value(site.req_to_token).shape[0]
@@ -241,7 +284,7 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         if mask is not None:  # the tokens whose mask admits no key
             out, lse = LowerNPUAttention._zero_unseen(graph, mask[1], out, lse)
         else:
-            out, lse = LowerNPUAttention._mask_empty(graph, site, out, lse, decode)
+            out, lse = LowerNPUAttention._zero_unseen(graph, counts, out, lse)
         if all_heads != heads:
             out = call(graph, aten.slice.Tensor, out, 1, 0, heads)
             lse = call(graph, aten.slice.Tensor, lse, 1, 0, heads)
@@ -258,16 +301,6 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         lse = call(graph, aten.masked_fill.Scalar, lse, empty, float("-inf"))
         out = call(graph, aten.masked_fill.Scalar, out, call(graph, aten.unsqueeze.default, empty, 2), 0.0)
         return out, lse
-
-    @staticmethod
-    def _mask_empty(graph, site, out, lse, decode: bool):
-        """Out 0 and lse -inf for the tokens whose FIA call saw no key, by the batch's device
-        lengths, as SGLang masks them: whatever FIA returns on an empty shard (+inf where CANN
-        >= 8.5 was read to give it, docs/ascend.md §7.2), it then weighs nothing in the merge."""
-        positions = None if decode else paged.site_key_positions(graph, site)
-        counts = call(graph, npu_ops.PREFIX_KEY_COUNTS, site.local_lens, positions, site.q_seq_ids, site.q_positions,
-                      decode)
-        return LowerNPUAttention._zero_unseen(graph, counts, out, lse)
 
     @staticmethod
     def _lower_merge(graph, node: fx.Node) -> None:

@@ -12,9 +12,11 @@ import torch.fx as fx
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.lowering.kv_layout import SplitKVCache, SplitLayout
 from dcp_compile.lowering.npu.feed import FIAFeed
+from dcp_compile.lowering.npu import native_ops
 from dcp_compile.lowering.npu.kv_layout import PART_VIEWS, NZLayout
+from dcp_compile.lowering.npu.native import LowerNativeKernels
 from dcp_compile.lowering.npu.lower_attention import (MAX_UPDATE_SHARDS, LowerNPUAttention, fia_block_size, has_fia_v2,
-                                                      padded_heads)
+                                                      has_scatter_pa_kv_cache, padded_heads)
 from dcp_compile.lowering.npu.options import NPUOptions
 from dcp_compile.lowering.triton.lower_kernels import LowerKernels
 from dcp_compile.ops import nz
@@ -25,7 +27,8 @@ from dcp_compile.runtime.host_inputs import host_placeholders
 
 class NPULowering(Lowering):
     name = "npu"
-    description = "Ascend FIA + npu_attention_update (torch_npu; stand-ins on the emulated device), Triton for the rest"
+    description = ("Ascend FIA + npu_attention_update (torch_npu; stand-ins on the emulated device); native ops for the "
+                   "rest, or the Triton kernels (npu_kernels)")
     Options = NPUOptions
     options = NPUOptions()
     window = WINDOW_QUERIES
@@ -53,7 +56,10 @@ class NPULowering(Lowering):
                            f"{pool.kv_lora_rank} and {pool.rope_dim}")
         if config.dcp_size > MAX_UPDATE_SHARDS:
             reasons.append(f"npu_attention_update merges at most {MAX_UPDATE_SHARDS} shards, dcp_size is {config.dcp_size}")
-        if pool.device.type == "npu" and self._interpreter_off():
+        if self.options.npu_kernels == "native" and not has_scatter_pa_kv_cache():
+            reasons.append("npu_kernels='native' writes the KV through torch_npu.npu_scatter_pa_kv_cache, which this "
+                           "torch_npu lacks: use a newer torch_npu (docs/ascend.md §18), or npu_kernels='triton'")
+        if self.options.npu_kernels == "triton" and pool.device.type == "npu" and self._interpreter_off():
             reasons.append("on the emulated npu device its Triton kernels (KV writes, window attention, pack and merge) "
                            "run in Triton's interpreter: set TRITON_INTERPRET=1 too")
         try:
@@ -108,6 +114,10 @@ class NPULowering(Lowering):
         fia_block_size(page_size, dcp_size, interleave, self.options.fia_block_sizes)
 
     def passes(self) -> list:
+        if self.options.npu_kernels == "native":
+            return [LowerNPUAttention(self.options), LowerNativeKernels(self.options),
+                    SplitKVCache(PART_VIEWS, readers={native_ops.PARTIAL_ATTENTION: 2,
+                                                   native_ops.SCATTER_KV_CACHE: 0})]
         # meta: what the dump captures; its graphs show the kernels an NPU runs.
         return [LowerNPUAttention(self.options), LowerKernels(devices=("npu", "meta")), SplitKVCache(PART_VIEWS)]
 

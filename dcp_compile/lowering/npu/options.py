@@ -12,10 +12,21 @@ KV_FORMATS = ("nd", "nz")
 FIA_VERSIONS = (1, 2)
 VERIFY_SCHEMES = ("split", "mask")
 TORCHAIR_MODES = ("reduce-overhead", "npugraph_ex")
+KERNEL_SETS = ("native", "triton")
 
 
 @dataclass(frozen=True)
 class NPUOptions(Options):
+    npu_kernels: str = field(default="native", metadata={
+        "choices": KERNEL_SETS,
+        "help": "native (CANN ops through torch_npu and aten ops it runs on the device; the default) or triton "
+                "(the project's Triton kernels for the KV write, metadata, pack and window: A2/A3 with a paired "
+                "triton-ascend)"})
+    """Which kernels an NPU graph runs besides FIA and npu_attention_update. 'native': the KV write
+    through torch_npu.npu_scatter_pa_kv_cache and the rest as aten ops torch_npu runs on the device
+    (lowering/npu/native_ops.py); needs no triton-ascend, runs on A5. 'triton': the shared Triton
+    kernels under triton-ascend (Atlas A2/A3 only; its releases pair with older torch). docs/ascend.md §16-§18."""
+
     npu_kv_format: str = field(default="nd", metadata={
         "choices": KV_FORMATS,
         "help": "the KV cache FIA reads, nd or nz (FRACTAL_NZ, [blocks, 1, D/16, 128, 16]: needs --block-size 128)"})
