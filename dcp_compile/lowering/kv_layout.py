@@ -4,10 +4,10 @@ contiguous tensors (Ascend FIA: `key` and `key_rope`, docs/ascend.md §11.1) dec
 its passes with this one, which points every reader and writer of a layer's cache at the two
 parts.
 
-    before: dcp_triton.sharded_kv_write(cache, latent, rope, loc, r, N, I)
+    before: dcp_triton.sharded_kv_write(cache, latent, rope, loc, r, N, I, None)
             key = aten.slice(cache, 1, 0, R); key_rope = aten.slice(cache, 1, R, R + P)
             dcp_triton.window_attention(..., cache, ...); dcp.gather_local_rows(cache, ...)
-    after:  dcp_triton.sharded_kv_write(cache_latent, latent, rope, loc, r, N, I, rope_cache=cache_rope)
+    after:  dcp_triton.sharded_kv_write(cache_latent, latent, rope, loc, r, N, I, cache_rope)
             key = cache_latent; key_rope = cache_rope
             dcp_triton.window_attention(..., cache_latent, ..., rope_cache=cache_rope); ...
 
@@ -114,8 +114,12 @@ class SplitKVCache(GraphPass):
         if user.op == "call_function" and user.target in readers and user.args[readers[user.target]] is cache:
             args = list(user.args)
             args[readers[user.target]] = latent
+            rope_index = [a.name for a in user.target._schema.arguments].index("rope_cache")
+            if rope_index < len(args):  # passed positionally (a writer's rope_cache has no default)
+                args[rope_index] = rope
+            else:
+                user.kwargs = {**user.kwargs, "rope_cache": rope}
             user.args = tuple(args)
-            user.kwargs = {**user.kwargs, "rope_cache": rope}
             return
         if user.op == "call_function" and user.target in part_views and user.args[0] is cache:
             part_views[user.target](user, pool)

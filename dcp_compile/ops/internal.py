@@ -2,7 +2,7 @@
 
 N = dcp_size, r = dcp_rank, I = interleave; layout math lives in runtime/layout.py.
 
-sharded_kv_write(kv_cache (local shard, mutated), latent, rope, loc, r, N, I, rope_cache=None)
+sharded_kv_write(kv_cache (local shard, mutated), latent, rope, loc, r, N, I, rope_cache)
     Like mla_kv_write, but writes only the locations rank r owns, at their local rows.
     The ops that read or write the pool take an optional rope_cache: given, kv_cache is the split
     layout's latent part [rows, R] and rope_cache its rope part [rows, P] (a back end's choice,
@@ -49,6 +49,8 @@ from dcp_compile.ops import nz
 from dcp_compile.runtime import devices
 
 
+# rope_cache has no default: torch 2.10-2.12's custom_op versions a mutated argument by position,
+# and a trailing one left at its default is not passed (an IndexError there).
 @custom_op("dcp::sharded_kv_write", mutates_args=("kv_cache", "rope_cache"))
 def sharded_kv_write(
     kv_cache: torch.Tensor,
@@ -58,13 +60,13 @@ def sharded_kv_write(
     dcp_rank: int,
     dcp_size: int,
     interleave: int,
-    rope_cache: torch.Tensor | None = None,
+    rope_cache: torch.Tensor | None,
 ) -> None:
     reference.kv_write(kv_cache, latent, rope, loc, dcp_rank, dcp_size, interleave, rope_cache)
 
 
 @sharded_kv_write.register_fake
-def _(kv_cache, latent, rope, loc, dcp_rank, dcp_size, interleave, rope_cache=None):
+def _(kv_cache, latent, rope, loc, dcp_rank, dcp_size, interleave, rope_cache):
     return None
 
 

@@ -1,7 +1,7 @@
 """Shard KV writes by token: each rank writes only the locations it owns, at local rows.
 
     before: mla_kv_write(cache, latent, rope, loc)
-    after:  sharded_kv_write(cache, latent, rope, loc, r, N, I)
+    after:  sharded_kv_write(cache, latent, rope, loc, r, N, I, None)   # rope_cache: the split layout's
 
 Assumes: `cache` is this rank's shard of the pool (apply() resharded it before capture).
 Guarantees: every location != 0 is written by exactly one rank of the DCP group; the op keeps
@@ -30,7 +30,7 @@ class ShardKVWrite(GraphPass):
         for site in writes:
             with gm.graph.inserting_before(site.node):
                 call(gm.graph, targets.SHARDED_KV_WRITE, site.cache, site.latent, site.rope, site.loc,
-                     config.dcp_rank, config.dcp_size, config.interleave)
+                     config.dcp_rank, config.dcp_size, config.interleave, None)
         for site in writes:
             gm.graph.erase_node(site.node)
         return len(writes)

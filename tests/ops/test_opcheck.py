@@ -20,7 +20,7 @@ def _cases():
     yield "mla_kv_write", (inputs["kv_cache"].clone(), latent, rope, loc)
     yield "mla_attention", (inputs["q_latent"], inputs["q_rope"], inputs["kv_cache"], inputs["req_to_token"],
                             inputs["seq_lens"], inputs["q_seq_ids"], inputs["q_positions"], 0.2)
-    yield "sharded_kv_write", (shard.clone(), latent, rope, loc, 0, 2, 1)
+    yield "sharded_kv_write", (shard.clone(), latent, rope, loc, 0, 2, 1, None)
     yield "local_metadata", (inputs["req_to_token"], inputs["seq_lens"], 1, 2, 1)
     yield "mla_partial_attention", (inputs["q_latent"], inputs["q_rope"], shard, page, lens, pos,
                                     inputs["q_seq_ids"], inputs["q_positions"], 0.2)

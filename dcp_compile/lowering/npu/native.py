@@ -107,7 +107,7 @@ class LowerNativeKernels(GraphPass):
         for write in writes:
             latent, rope, slot = step_tokens(graph, write.cache, config)
             with graph.inserting_before(write.node):
-                call(graph, native_ops.SCATTER_KV_CACHE, write.cache, latent, rope, slot, block)
+                call(graph, native_ops.SCATTER_KV_CACHE, write.cache, latent, rope, slot, block, None)
             graph.erase_node(write.node)
         return len(writes)
 

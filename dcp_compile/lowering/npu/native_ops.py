@@ -165,12 +165,12 @@ def scatter_kv_cache(kv_cache, latent, rope, slots, block: int, rope_cache=None)
 
 @custom_op("dcp_npu::scatter_kv_cache", mutates_args=("kv_cache", "rope_cache"))
 def scatter_kv_cache_op(kv_cache: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor,
-                        block: int, rope_cache: torch.Tensor | None = None) -> None:
+                        block: int, rope_cache: torch.Tensor | None) -> None:
     scatter_kv_cache(kv_cache, latent, rope, slots, block, rope_cache)
 
 
 @scatter_kv_cache_op.register_fake
-def _(kv_cache, latent, rope, slots, block, rope_cache=None):
+def _(kv_cache, latent, rope, slots, block, rope_cache):
     return None
 
 

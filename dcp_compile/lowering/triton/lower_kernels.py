@@ -55,7 +55,7 @@ class LowerKernels(GraphPass):
                 lowered += 1
         for site in sites.find_kv_writes(graph):
             with graph.inserting_before(site.node):
-                call(graph, triton_op("sharded_kv_write"), site.cache, site.latent, site.rope, site.loc, 0, 1, 1)
+                call(graph, triton_op("sharded_kv_write"), site.cache, site.latent, site.rope, site.loc, 0, 1, 1, None)
             graph.erase_node(site.node)
             lowered += 1
         for site in sites.find_attention_sites(graph):
