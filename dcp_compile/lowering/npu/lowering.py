@@ -6,13 +6,15 @@ KV layouts (split, or NZ: kv_layout.py), its ops (`dcp_npu::`, ops.py) and its i
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.lowering.kv_layout import SplitKVCache, SplitLayout
 from dcp_compile.lowering.npu.feed import FIAFeed
-from dcp_compile.lowering.npu import native_ops
+from dcp_compile.lowering.npu import native_ops, versions
 from dcp_compile.lowering.npu.kv_layout import PART_VIEWS, NZLayout
 from dcp_compile.lowering.npu.native import LowerNativeKernels
 from dcp_compile.lowering.npu.lower_attention import (MAX_UPDATE_SHARDS, LowerNPUAttention, fia_block_size, has_fia_v2,
@@ -23,6 +25,8 @@ from dcp_compile.ops import nz
 from dcp_compile.ops.targets import WINDOW_QUERIES
 from dcp_compile.runtime.devices import require_torch_npu
 from dcp_compile.runtime.host_inputs import host_placeholders
+
+log = logging.getLogger("dcp_compile.lowering")
 
 
 class NPULowering(Lowering):
@@ -56,6 +60,8 @@ class NPULowering(Lowering):
                            f"{pool.kv_lora_rank} and {pool.rope_dim}")
         if config.dcp_size > MAX_UPDATE_SHARDS:
             reasons.append(f"npu_attention_update merges at most {MAX_UPDATE_SHARDS} shards, dcp_size is {config.dcp_size}")
+        if pool.device.type == "npu":  # the SoC, CANN, torch_npu and triton-ascend this runs on (docs/ascend.md §18)
+            reasons.extend(versions.unsupported_reasons(self.options, versions.deployment()))
         if self.options.npu_kernels == "native" and not has_scatter_pa_kv_cache():
             reasons.append("npu_kernels='native' writes the KV through torch_npu.npu_scatter_pa_kv_cache, which this "
                            "torch_npu lacks: use a newer torch_npu (docs/ascend.md §18), or npu_kernels='triton'")
@@ -92,6 +98,9 @@ class NPULowering(Lowering):
     def prepare(self, pool, config) -> None:
         if config.inner_compile == "torchair":
             require_torch_npu("inner_compile='torchair'")
+        if pool.device.type == "npu":
+            for advice in versions.advisories(self.options, versions.deployment()):
+                log.warning("kernels='npu': %s", advice)
 
     def inner_compiler(self, name: str):
         if name != "torchair":
