@@ -161,7 +161,7 @@ def test_deployment_from_emulator_env(monkeypatch):
     monkeypatch.delenv("DCP_COMPILE_NPU_EMULATOR_SOC")
     monkeypatch.delenv("DCP_COMPILE_NPU_EMULATOR_CANN")
     dep = versions.deployment()
-    assert (dep.soc, dep.family, dep.cann) == ("Ascend910B3", "A2", "8.5.0")
+    assert (dep.soc, dep.family, dep.cann) == ("Ascend910B3", "A2", "9.0.0")
     if dep.torch_npu is None:
         assert versions.unsupported_reasons(NPUOptions(), dep) == []
     monkeypatch.delenv("DCP_COMPILE_NPU_EMULATOR")

@@ -34,7 +34,7 @@ EMULATOR_ENV = "DCP_COMPILE_NPU_EMULATOR"
 EMULATOR_SOC_ENV = "DCP_COMPILE_NPU_EMULATOR_SOC"
 EMULATOR_CANN_ENV = "DCP_COMPILE_NPU_EMULATOR_CANN"
 EMULATOR_SOC_DEFAULT = "Ascend910B3"
-EMULATOR_CANN_DEFAULT = "8.5.0"
+EMULATOR_CANN_DEFAULT = "9.0.0"  # the CANN of torch_npu 2.10.0 (vllm-ascend's pin): every option accepted
 
 
 def soc_family(soc: str | None) -> str | None:
