@@ -303,8 +303,30 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         return out, lse
 
     @staticmethod
+    def _equal_all_to_all(graph, exchanged: fx.Node) -> fx.Node:
+        """wait(all_to_all_single(x, [1]*n, [1]*n, group)) as dcp_npu.all_to_all(x, group): HCCL's
+        AlltoAll, not AlltoAllV (npu_ops.all_to_all)."""
+        c10d = torch.ops._c10d_functional
+        if exchanged.target is not c10d.wait_tensor.default:
+            return exchanged
+        sent = exchanged.args[0]
+        if sent.target is not c10d.all_to_all_single.default or len(sent.users) != 1:
+            return exchanged
+        packed, output_splits, input_splits, group = sent.args
+        shards = fake_value(packed).shape[0]
+        if list(output_splits) != [1] * shards or list(input_splits) != [1] * shards:
+            return exchanged
+        with graph.inserting_before(exchanged):
+            equal = call(graph, npu_ops.ALL_TO_ALL, packed, group)
+        exchanged.replace_all_uses_with(equal)
+        graph.erase_node(exchanged)
+        graph.erase_node(sent)
+        return equal
+
+    @staticmethod
     def _lower_merge(graph, node: fx.Node) -> None:
         exchanged, rank_dim = node.args
+        exchanged = LowerNPUAttention._equal_all_to_all(graph, exchanged)
         shards, tokens, heads, _ = fake_value(exchanged).shape
         if shards > MAX_UPDATE_SHARDS:
             raise ValueError(f"npu_attention_update merges at most {MAX_UPDATE_SHARDS} shards (docs/ascend.md §8.3), "

@@ -7,7 +7,11 @@ aten ops (the emulated one included); docs/ascend.md cites the facts they serve.
 - `rank_causal_mask`: the rank-local causal mask of the masked verify (npu_verify='mask');
 - `nz_kv_blocks`: a packed cache's two parts in the NZ layout (the lowering's view of the cache,
   which the split_kv_cache pass replaces by the pool's NZ tensors);
-- `split_partials`: the exchanged partials as npu_attention_update's inputs.
+- `split_partials`: the exchanged partials as npu_attention_update's inputs;
+- `all_to_all`: the exchange of equal slices with no split lists, which ProcessGroupHCCL runs as
+  HcclAlltoAll; explicit splits (the functional collective always passes them) take its AlltoAllV
+  path (torch_npu ProcessGroupHCCL.cpp alltoall_base, docs/ascend.md §10.1 #8), which no engine's
+  DCP uses. vllm-ascend calls dist.all_to_all_single without splits, as this does.
 """
 
 from __future__ import annotations
@@ -119,6 +123,20 @@ def _(packed, kv_lora_rank):
             packed.new_empty((shards, tokens * heads), dtype=torch.float32))
 
 
+@custom_op("dcp_npu::all_to_all", mutates_args=())
+def all_to_all(packed: torch.Tensor, group_name: str) -> torch.Tensor:
+    exchanged = torch.empty_like(packed)
+    group = torch.distributed.distributed_c10d._resolve_process_group(group_name)
+    torch.distributed.all_to_all_single(exchanged, packed, group=group)  # no split lists: equal slices
+    return exchanged
+
+
+@all_to_all.register_fake
+def _(packed, group_name):
+    return torch.empty_like(packed)
+
+
+ALL_TO_ALL = torch.ops.dcp_npu.all_to_all.default
 PREFIX_KEY_COUNTS = torch.ops.dcp_npu.prefix_key_counts.default
 RANK_CAUSAL_MASK = torch.ops.dcp_npu.rank_causal_mask.default
 NZ_KV_BLOCKS = torch.ops.dcp_npu.nz_kv_blocks.default
