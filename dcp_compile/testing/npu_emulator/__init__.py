@@ -60,8 +60,33 @@ def _load_extension() -> None:
 
 def host_syncs() -> int:
     """Host syncs since the last reset_host_syncs(): blocking device-to-host reads (`.item()`,
-    `.tolist()`, `.cpu()`) and calls of aten ops torch_npu runs on the host."""
+    `.tolist()`, `.cpu()`), host-to-device copies torch_npu synchronises (all but non-blocking
+    ones from pinned memory), host waits (`torch.npu.synchronize()`, `Stream.synchronize()`,
+    `Event.synchronize()`), calls of aten ops torch_npu runs on the host (ops_off_device()) and
+    of ops whose kernel synchronises to learn its output's shape (syncing_ops())."""
     return int(torch.ops.dcp_npu_emulator.host_syncs())
+
+
+def h2d_bytes() -> int:
+    """Bytes copied from the host to the device since the last reset_host_syncs(), pinned or not
+    (graph replays' recorded copies included): each copy's elements in the source's dtype."""
+    return int(torch.ops.dcp_npu_emulator.h2d_bytes())
+
+
+def syncing_ops() -> dict[str, int]:
+    """Calls of aten ops whose NPU kernel synchronises the stream to learn its output's size
+    (op_coverage.SYNCS: nonzero, masked_select, bool-mask index, unique, repeat_interleave
+    without output_size) since the last reset_host_syncs(), by op."""
+    names, calls = torch.ops.dcp_npu_emulator.syncing_ops()
+    return dict(zip(names, calls))
+
+
+def alltoallv_calls() -> int:
+    """hccl all_to_all_single calls with explicit split lists (HCCL's AlltoAllV path) since the
+    last reset_host_syncs(); calls with empty lists (AlltoAll) are not counted."""
+    from dcp_compile.testing.npu_emulator import hccl
+
+    return hccl.alltoallv_calls()
 
 
 def ops_off_device() -> dict[str, int]:
@@ -71,7 +96,11 @@ def ops_off_device() -> dict[str, int]:
 
 
 def reset_host_syncs() -> None:
+    """Zero host_syncs(), h2d_bytes(), ops_off_device(), syncing_ops() and alltoallv_calls()."""
+    from dcp_compile.testing.npu_emulator import hccl
+
     torch.ops.dcp_npu_emulator.reset_host_syncs()
+    hccl.reset_alltoallv_calls()
 
 
 def install(device_count: int = DEVICE_COUNT) -> None:
