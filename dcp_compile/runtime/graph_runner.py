@@ -85,9 +85,12 @@ class CudaGraphs(_DeviceGraphs):
 class NPUGraphs(_DeviceGraphs):
     """Ascend NPU graphs (torch.npu.NPUGraph). Capture records ops whose host inputs it bakes in
     with `auto_dispatch_capture`; each replay first pushes the step's values of those with
-    `NPUGraph.update(cpu_update_input=...)`, one dict per recorded call (docs/ascend.md §9.3),
-    once the graph's previous replay has finished: an update under a running replay races it
-    (vllm-ascend synchronises there too, docs/ascend.md §9.5)."""
+    `NPUGraph.update(cpu_update_input=...)`, one dict per recorded call (docs/ascend.md §9.3).
+    An update under a running replay races it, so it is ordered after the graph's previous replay
+    on the device, not on the host: torch_npu issues updates on the stream shared by all graphs,
+    `graph.graph_dispatch_mode.update_stream` (torch_npu/npu/graphs.py:430-435, 554), which
+    first waits on an event recorded after that replay, as torchair orders its updates
+    (docs/ascend.md §17). A replayed step has no host sync."""
 
     backend_name, graph_class = "npu", "NPUGraph"
     capture_options = {"auto_dispatch_capture": True}
@@ -103,7 +106,7 @@ class NPUGraphs(_DeviceGraphs):
         if updates:
             finished = self._finished.get(id(graph))
             if finished is not None:
-                finished.synchronize()
+                graph.graph_dispatch_mode.update_stream.wait_event(finished)
             graph.update(cpu_update_input=updates)
             self._applied[id(graph)] = updates
         graph.replay()

@@ -21,6 +21,8 @@ Ops (their facts and sources: docs/ascend.md):
 - Both take the paged latent and rope caches ND or NZ ([blocks, 1, D/16, 128, 16], §11.4; not with
   BNSD layouts, block size 128 only).
 - `npu_attention_update`: the LSE merge of §8.
+- `npu_scatter_pa_kv_cache`: writes each token's key and value into its slot of a paged cache,
+  ND ('Norm') or NZ ('PA_NZ'), 3-D keys only (§17).
 
 Kernel behaviours that callers rely on and that the stand-ins reproduce:
 - softmax_lse is the natural-log logsumexp of the scaled scores, fp32 (§2.3; fp32: §2.2).
@@ -93,6 +95,13 @@ ATTENTION_UPDATE_SCHEMA = (
     "npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type) -> (Tensor, Tensor)"
 )
 
+# op-plugin op_plugin/config/op_plugin_functions.yaml:6950 @ 517f2e7d (docs/ascend.md §17).
+SCATTER_PA_KV_CACHE_SCHEMA = (
+    "npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor slot_mapping, *, Tensor? compress_lens=None, Tensor? compress_seq_offsets=None, "
+    "Tensor? seq_lens=None, str? cache_mode='PA_NZ') -> ()"
+)
+
 _library: torch.library.Library | None = None
 
 PLANT_ENV = "DCP_COMPILE_STANDIN_PLANT"
@@ -142,6 +151,7 @@ def _define_ops() -> torch.library.Library:
         FIA_WORKSPACE_SCHEMA: (_fia_workspace, _fia_workspace),
         FIA_V2_SCHEMA: (_fia_v2_kernel, _fia_v2_fake),
         ATTENTION_UPDATE_SCHEMA: (_attention_update_kernel, _attention_update_fake),
+        SCATTER_PA_KV_CACHE_SCHEMA: (_scatter_pa_kv_cache_kernel, _scatter_pa_kv_cache_fake),
     }
     for schema, (kernel, fake_kernel) in kernels.items():
         library.define(schema)
@@ -887,3 +897,102 @@ def _attention_update_fake(lse, local_out, update_type):
         local_out[0].new_empty(local_out[0].shape),
         lse[0].new_empty(lse[0].shape, dtype=torch.float32),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# npu_scatter_pa_kv_cache (docs/ascend.md §17)
+# ---------------------------------------------------------------------------------------------
+
+SCATTER_CACHE_MODES = (None, "Norm", "PA_NZ")
+SLOT_DTYPES = (torch.int32, torch.int64)
+
+
+def validate_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, compress_lens=None,
+                                 compress_seq_offsets=None, seq_lens=None, cache_mode="PA_NZ") -> tuple[int, int]:
+    """The documented limits of the 3-D-key scenario (op-plugin docs/zh/custom_APIs/torch_npu/
+    torch_npu-npu_scatter_pa_kv_cache.md @ 517f2e7d, 约束说明); returns (block_size, NZ last
+    dim, 0 for ND). Slot values are checked by the kernel."""
+    if compress_lens is not None or compress_seq_offsets is not None or seq_lens is not None:
+        raise NotImplementedError("npu_scatter_pa_kv_cache stand-in: compress_lens, compress_seq_offsets and seq_lens "
+                                  "(the compressed scenarios) are not implemented")
+    if cache_mode not in SCATTER_CACHE_MODES:
+        raise ValueError(f"npu_scatter_pa_kv_cache: cache_mode {cache_mode!r} is not one of None, 'Norm', 'PA_NZ'")
+    if key.dim() != 3 or value.dim() != 3:
+        raise NotImplementedError(f"npu_scatter_pa_kv_cache stand-in: only 3-D key and value [T, num_head, head_size] "
+                                  f"are implemented, got {key.dim()}-D and {value.dim()}-D")
+    tokens, heads, k_size = key.shape
+    if value.shape[:2] != key.shape[:2]:
+        raise ValueError(f"npu_scatter_pa_kv_cache: value {tuple(value.shape)} and key {tuple(key.shape)} differ in "
+                         "tokens or heads")
+    if len({key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}) != 1:
+        raise ValueError(f"npu_scatter_pa_kv_cache: key, value, key_cache and value_cache must share a dtype, got "
+                         f"{key.dtype}, {value.dtype}, {key_cache.dtype}, {value_cache.dtype}")
+    if slot_mapping.dtype not in SLOT_DTYPES:
+        raise ValueError(f"npu_scatter_pa_kv_cache: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.shape != (tokens,):
+        raise ValueError(f"npu_scatter_pa_kv_cache: slot_mapping must be [{tokens}] (one slot per token), got "
+                         f"{tuple(slot_mapping.shape)}")
+    for name, tensor in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
+                         ("slot_mapping", slot_mapping)):
+        if not tensor.is_contiguous():
+            raise ValueError(f"npu_scatter_pa_kv_cache: {name} is not contiguous (the op takes no strided input)")
+    v_size = value.shape[2]
+    nz = cache_mode == "PA_NZ"
+    last = 32 // key.element_size() if nz else 0
+    expected = []
+    for name, cache, size in (("key_cache", key_cache, k_size), ("value_cache", value_cache, v_size)):
+        blocks = cache.shape[0] if cache.dim() else 0
+        if not nz:
+            block_size = cache.shape[1] if cache.dim() == 4 else -1
+            shapes = [(blocks, block_size, heads, size)]
+        else:
+            if heads * size % last:
+                raise ValueError(f"npu_scatter_pa_kv_cache: 'PA_NZ' needs num_head * head_size ({heads} * {size}) "
+                                 f"divisible by 32 // itemsize = {last}")
+            block_size = cache.shape[-2] if cache.dim() in (4, 5) else -1
+            shapes = [(blocks, heads * size // last, block_size, last)]
+            if size % last == 0:
+                shapes.append((blocks, heads, size // last, block_size, last))
+        if cache.dim() not in (4, 5) or (cache.dim() == 5 and not nz) or tuple(cache.shape) not in shapes:
+            raise ValueError(f"npu_scatter_pa_kv_cache: {name} {tuple(cache.shape)} is not a {cache_mode or 'Norm'} "
+                             f"cache for [T, {heads}, {size}] rows: expected one of {shapes} "
+                             "(ND: [num_blocks, block_size, num_head, head_size]; NZ: [num_blocks, "
+                             "num_head * head_size // (32 // itemsize), block_size, 32 // itemsize])")
+        expected.append((blocks, block_size))
+    if expected[0] != expected[1]:
+        raise ValueError(f"npu_scatter_pa_kv_cache: key_cache and value_cache differ in blocks or block size: "
+                         f"{expected[0]} vs {expected[1]}")
+    return expected[0][1], last
+
+
+def _scatter_pa_kv_cache_kernel(key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,
+                                compress_seq_offsets=None, seq_lens=None, cache_mode="PA_NZ"):
+    block_size, last = validate_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, compress_lens,
+                                                    compress_seq_offsets, seq_lens, cache_mode)
+    # The kernel reads the slots on the device: the host views of the same bytes, so that the
+    # stand-in itself is no host sync.
+    host = torch.ops.dcp_npu_emulator.host_view
+    slots = host(slot_mapping).long()
+    capacity = key_cache.shape[0] * block_size
+    if bool((slots >= capacity).any()):
+        raise ValueError(f"npu_scatter_pa_kv_cache: slot {int(slots.max())} is out of range: slots must be below "
+                         f"num_blocks * block_size = {capacity}")
+    rows = (slots >= 0).nonzero().flatten()  # a negative slot (vLLM's PAD_SLOT_ID -1) writes nothing
+    kept = slots[rows]
+    if kept.unique().numel() != kept.numel():
+        raise ValueError("npu_scatter_pa_kv_cache: slot_mapping repeats a slot (the op's result is undefined then)")
+    blocks, offsets = kept // block_size, kept % block_size
+    for source, cache in ((key, key_cache), (value, value_cache)):
+        rows_in = host(source)[rows]
+        target = host(cache)
+        if not last:
+            target[blocks, offsets] = rows_in
+        else:
+            target = target.view(target.shape[0], -1, block_size, last)  # the 5-D form is the same bytes
+            target[blocks, :, offsets] = rows_in.reshape(rows_in.shape[0], -1, last)
+
+
+def _scatter_pa_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,
+                              compress_seq_offsets=None, seq_lens=None, cache_mode="PA_NZ"):
+    validate_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, compress_lens,
+                                 compress_seq_offsets, seq_lens, cache_mode)

@@ -83,6 +83,7 @@ def _fia_graph(lengths):
 
 def test_update_rewrites_fias_host_lengths_by_name_and_refuses_other_names():
     graph, out, run = _fia_graph([20, 3, 40])
+    graph.update(cpu_update_input=[{"actual_seq_lengths_kv": [20, 3, 40]}])  # before every replay
     graph.replay()
     torch.npu.synchronize()
     assert torch.equal(out.cpu(), run([20, 3, 40]).cpu())
@@ -96,6 +97,7 @@ def test_update_rewrites_fias_host_lengths_by_name_and_refuses_other_names():
 
 def test_an_update_while_the_last_replay_may_still_run_is_an_error():
     graph, _, _ = _fia_graph([5, 7])
+    graph.update(cpu_update_input=[{"actual_seq_lengths_kv": [5, 7]}])
     graph.replay()  # not waited for
     with pytest.raises(RuntimeError, match="last replay may still run"):
         graph.update(cpu_update_input=[{"actual_seq_lengths_kv": [6, 8]}])

@@ -8,20 +8,32 @@ instead of importing torch_npu; nothing else in the project knows the device is 
   (device.cpp) built once per virtualenv: an allocator of host memory, a device guard, copies
   to and from the host, pinned host memory; aten ops run their CPU kernels on the same bytes,
   and an op of another namespace without an npu kernel fails as on a device without one;
-- `torch.npu` (module.py): devices, streams, events, synchronize, and NPU graphs (graphs.py):
-  capture records the device work and runs none of it, replay runs exactly that with the host
-  values of the capture, `update(cpu_update_input=...)` rewrites FIA's host lengths by argument
-  name, and a pageable host-to-device copy or any device-to-host read during a capture is an
-  error, as on hardware;
-- torch_npu's op coverage (op_coverage.py): an aten op that torch_npu runs on the host (no NPU
-  kernel in op-plugin's table, or a kernel's own CPU fallback) is an error in a capture, and
-  outside one is counted (`ops_off_device()`) as a host sync (`host_syncs()`), as a blocking
-  device-to-host copy or scalar read is;
+- `torch.npu` (module.py): devices, streams, events, synchronize, the SoC and CANN version
+  (`$DCP_COMPILE_NPU_EMULATOR_SOC`, default Ascend910B3; `$DCP_COMPILE_NPU_EMULATOR_CANN`, default
+  8.5.0), and NPU graphs (graphs.py): capture records the device work and runs none of it, replay
+  runs exactly that with the host values of the capture, `update(cpu_update_input=...)` rewrites
+  FIA's host lengths by argument name, one dict per recorded call, on torch_npu's shared update
+  stream (`graph.graph_dispatch_mode.update_stream`). As on hardware: host traffic in a capture
+  (a pageable upload, any device-to-host read, an op that runs on the host or synchronises to learn
+  its output's shape) is an error; an FIA call captured with a KV length of 0 is refused; a replay
+  whose FIA calls were not updated since the last replay raises (hardware would hang); an update
+  not ordered after the graph's last replay (by a host wait, or the update stream waiting on an
+  event recorded after it) raises (hardware would race);
+- host syncs (`host_syncs()`): blocking device-to-host reads and scalar reads, uploads torch_npu
+  synchronises (all but non-blocking ones from pinned memory), host waits (synchronize on the
+  device, a stream, an event), aten ops torch_npu runs on the host (op_coverage.py,
+  `ops_off_device()`) and ops whose kernel synchronises the stream for a data-dependent output
+  shape (`syncing_ops()`); every upload's bytes (`h2d_bytes()`); all reset by `reset_host_syncs()`.
+  Nothing counts during a graph replay;
 - an `hccl` process-group backend (hccl.py) that runs collectives through gloo on the host
-  views of npu tensors, functional collectives and collectives inside graphs included.
+  views of npu tensors, functional collectives and collectives inside graphs included; it counts
+  all-to-all calls with explicit split lists (HCCL's AlltoAllV path: `alltoallv_calls()`).
 
 What it does not model: speed, CANN's kernel numerics (the stand-ins of lowering/npu compute in
-fp32 on the host), HCCL on real links, and concurrency between streams (work runs when issued).
+fp32 on the host), HCCL on real links, concurrency between streams (work runs when issued, so a
+replay cannot be issued before its update as torchair does), `auto_dispatch_capture=False` (FIA
+calls are updatable either way), and torch_npu's own H2D staging (bytes are counted, not timed).
+Facts and sources: docs/ascend.md §16, §17.
 """
 
 from __future__ import annotations
@@ -60,8 +72,33 @@ def _load_extension() -> None:
 
 def host_syncs() -> int:
     """Host syncs since the last reset_host_syncs(): blocking device-to-host reads (`.item()`,
-    `.tolist()`, `.cpu()`) and calls of aten ops torch_npu runs on the host."""
+    `.tolist()`, `.cpu()`), host-to-device copies torch_npu synchronises (all but non-blocking
+    ones from pinned memory), host waits (`torch.npu.synchronize()`, `Stream.synchronize()`,
+    `Event.synchronize()`), calls of aten ops torch_npu runs on the host (ops_off_device()) and
+    of ops whose kernel synchronises to learn its output's shape (syncing_ops())."""
     return int(torch.ops.dcp_npu_emulator.host_syncs())
+
+
+def h2d_bytes() -> int:
+    """Bytes copied from the host to the device since the last reset_host_syncs(), pinned or not
+    (graph replays' recorded copies included): each copy's elements in the source's dtype."""
+    return int(torch.ops.dcp_npu_emulator.h2d_bytes())
+
+
+def syncing_ops() -> dict[str, int]:
+    """Calls of aten ops whose NPU kernel synchronises the stream to learn its output's size
+    (op_coverage.SYNCS: nonzero, masked_select, bool-mask index, unique, repeat_interleave
+    without output_size) since the last reset_host_syncs(), by op."""
+    names, calls = torch.ops.dcp_npu_emulator.syncing_ops()
+    return dict(zip(names, calls))
+
+
+def alltoallv_calls() -> int:
+    """hccl all_to_all_single calls with explicit split lists (HCCL's AlltoAllV path) since the
+    last reset_host_syncs(); calls with empty lists (AlltoAll) are not counted."""
+    from dcp_compile.testing.npu_emulator import hccl
+
+    return hccl.alltoallv_calls()
 
 
 def ops_off_device() -> dict[str, int]:
@@ -71,7 +108,11 @@ def ops_off_device() -> dict[str, int]:
 
 
 def reset_host_syncs() -> None:
+    """Zero host_syncs(), h2d_bytes(), ops_off_device(), syncing_ops() and alltoallv_calls()."""
+    from dcp_compile.testing.npu_emulator import hccl
+
     torch.ops.dcp_npu_emulator.reset_host_syncs()
+    hccl.reset_alltoallv_calls()
 
 
 def install(device_count: int = DEVICE_COUNT) -> None:

@@ -13,7 +13,10 @@
 // - Op coverage: an aten op that torch_npu runs on the host (no NPU kernel, or a kernel whose CPU
 //   fallback takes these arguments: op_coverage.py decides, asked once per op, and per call
 //   for ops whose kernels fall back conditionally) is counted as off the device and as a host
-//   sync; a blocking device-to-host copy and a scalar read count as host syncs too.
+//   sync; so is an op whose NPU kernel synchronises the stream to learn its output's shape
+//   (nonzero, masked_select, ...: op_coverage.SYNCS); a blocking device-to-host copy, a scalar
+//   read and a host-to-device copy that torch_npu synchronises (every one but a non-blocking
+//   copy from pinned memory) count as host syncs too. Every host-to-device byte is counted.
 // - Hooks: pinned host memory (a set of pinned blocks, so that a capture can tell pageable
 //   copies from pinned ones).
 
@@ -214,15 +217,34 @@ const at::Tensor& resize(const at::Tensor& self, c10::SymIntArrayRef size, std::
   return at::native::resize_(self, C10_AS_INTARRAYREF_SLOW(size), format);
 }
 
-// Host syncs: blocking reads of the device by the host, and calls of ops torch_npu runs on the host.
+// Host syncs: blocking reads of the device by the host, host waits, and calls of ops torch_npu
+// runs on the host or synchronises for.
 std::atomic<int64_t> host_sync_count{0};
+std::atomic<int64_t> h2d_byte_count{0};
 std::mutex off_device_mutex;
 std::map<std::string, int64_t> off_device_calls;
+std::map<std::string, int64_t> syncing_calls;
+// Set while an NPU graph replays: its recorded copies are graph tasks that the host does not wait
+// for (a capture refused any copy that would sync).
+thread_local bool replaying = false;
+
+bool is_pinned_storage(const at::Tensor& tensor) {
+  std::lock_guard<std::mutex> lock(pinned_mutex);
+  return pinned_blocks.count(tensor.storage().data()) > 0;
+}
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   // One side at least is an npu tensor; both are host memory.
-  if (!self.is_cpu() && dst.is_cpu() && !non_blocking) {
+  if (!self.is_cpu() && dst.is_cpu() && !non_blocking && !replaying) {
     ++host_sync_count;
+  }
+  if (self.is_cpu() && !dst.is_cpu()) {
+    h2d_byte_count += dst.numel() * self.element_size();
+    // torch_npu synchronises the stream for a blocking copy (CopyKernel.cpp:141-142) and after a
+    // non-blocking one from memory it did not pin (CachingHostAllocator.cpp:1405-1410, 1452-1457).
+    if (!replaying && !(non_blocking && is_pinned_storage(self))) {
+      ++host_sync_count;
+    }
   }
   at::Tensor source = self.is_cpu() ? self : as_host(self);
   at::Tensor target = dst.is_cpu() ? dst : as_host(dst);
@@ -292,13 +314,15 @@ c10::IValue to_device(const c10::IValue& result, const std::vector<std::pair<at:
   return out;
 }
 
-// Verdicts of op_coverage.py, per operator: 0 on the device, 1 off it, 2 decided per call.
+// Verdicts of op_coverage.py, per operator: 0 on the device, 1 off it, 2 decided per call (as 0, 1
+// or 3), 3 on the device with a stream synchronisation.
 constexpr int8_t kOffDevice = 1;
 constexpr int8_t kConditional = 2;
+constexpr int8_t kSyncs = 3;
 std::mutex verdict_mutex;
 std::unordered_map<const c10::FunctionSchema*, int8_t> verdicts;
 
-bool runs_on_host(const c10::FunctionSchema& schema, const torch::jit::Stack& stack) {
+int8_t call_verdict(const c10::FunctionSchema& schema, const torch::jit::Stack& stack) {
   int8_t verdict = -1;
   {
     std::lock_guard<std::mutex> lock(verdict_mutex);
@@ -307,11 +331,8 @@ bool runs_on_host(const c10::FunctionSchema& schema, const torch::jit::Stack& st
       verdict = found->second;
     }
   }
-  if (verdict == kOffDevice) {
-    return true;
-  }
-  if (verdict == 0) {
-    return false;
+  if (verdict == 0 || verdict == kOffDevice || verdict == kSyncs) {
+    return verdict;
   }
   const std::string name = schema.name().substr(6);  // past "aten::"
   pybind11::gil_scoped_acquire gil;  // the lock is not held here: Python may wait on another thread
@@ -322,13 +343,13 @@ bool runs_on_host(const c10::FunctionSchema& schema, const torch::jit::Stack& st
     verdicts[&schema] = verdict;
   }
   if (verdict != kConditional) {
-    return verdict == kOffDevice;
+    return verdict;
   }
   pybind11::list arguments;
   for (const auto& value : torch::jit::last(stack, schema.arguments().size())) {
     arguments.append(torch::jit::toPyObject(value));
   }
-  return coverage.attr("falls_back")(name, schema.overload_name(), arguments).cast<bool>();
+  return coverage.attr("decide")(name, schema.overload_name(), arguments).cast<int8_t>();
 }
 
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -338,10 +359,11 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       name.rfind("aten::", 0) == 0, "Could not run '", name,
       "' with arguments from the 'npu' backend. This could be because the operator doesn't exist for this backend "
       "(the dcp_compile npu emulator runs aten ops on the host, and other ops only where they have an npu kernel)");
-  if (runs_on_host(schema, *stack)) {
+  const int8_t where = replaying ? 0 : call_verdict(schema, *stack);
+  if (where == kOffDevice || where == kSyncs) {
     ++host_sync_count;
     std::lock_guard<std::mutex> lock(off_device_mutex);
-    ++off_device_calls[c10::toString(schema.operator_name())];
+    ++(where == kOffDevice ? off_device_calls : syncing_calls)[c10::toString(schema.operator_name())];
   }
   const auto num_arguments = schema.arguments().size();
   auto arguments = torch::jit::last(stack, num_arguments);
@@ -460,28 +482,41 @@ void set_device(int64_t index) {
 
 int64_t get_device() { return current_device; }
 
-bool is_pinned_host(const at::Tensor& tensor) {
-  std::lock_guard<std::mutex> lock(pinned_mutex);
-  return pinned_blocks.count(tensor.storage().data()) > 0;
-}
+bool is_pinned_host(const at::Tensor& tensor) { return is_pinned_storage(tensor); }
 
 int64_t host_syncs() { return host_sync_count.load(); }
 
-std::tuple<std::vector<std::string>, std::vector<int64_t>> ops_off_device() {
+void count_host_sync() { ++host_sync_count; }
+
+int64_t h2d_bytes() { return h2d_byte_count.load(); }
+
+bool set_replaying(bool value) {
+  bool previous = replaying;
+  replaying = value;
+  return previous;
+}
+
+std::tuple<std::vector<std::string>, std::vector<int64_t>> op_calls(bool off_device) {
   std::lock_guard<std::mutex> lock(off_device_mutex);
   std::vector<std::string> names;
   std::vector<int64_t> calls;
-  for (const auto& [name, count] : off_device_calls) {
+  for (const auto& [name, count] : off_device ? off_device_calls : syncing_calls) {
     names.push_back(name);
     calls.push_back(count);
   }
   return {names, calls};
 }
 
+std::tuple<std::vector<std::string>, std::vector<int64_t>> ops_off_device() { return op_calls(true); }
+
+std::tuple<std::vector<std::string>, std::vector<int64_t>> syncing_ops() { return op_calls(false); }
+
 void reset_host_syncs() {
   host_sync_count.store(0);
+  h2d_byte_count.store(0);
   std::lock_guard<std::mutex> lock(off_device_mutex);
   off_device_calls.clear();
+  syncing_calls.clear();
 }
 
 TORCH_LIBRARY(dcp_npu_emulator, m) {
@@ -493,6 +528,10 @@ TORCH_LIBRARY(dcp_npu_emulator, m) {
   m.def("register_device_kernels(str[] names) -> ()", TORCH_FN(register_device_kernels));
   m.def("host_syncs() -> int", TORCH_FN(host_syncs));
   m.def("ops_off_device() -> (str[], int[])", TORCH_FN(ops_off_device));
+  m.def("syncing_ops() -> (str[], int[])", TORCH_FN(syncing_ops));
+  m.def("count_host_sync() -> ()", TORCH_FN(count_host_sync));
+  m.def("h2d_bytes() -> int", TORCH_FN(h2d_bytes));
+  m.def("set_replaying(bool value) -> bool", TORCH_FN(set_replaying));
   m.def("reset_host_syncs() -> ()", TORCH_FN(reset_host_syncs));
   m.def("is_pinned_host(Tensor self) -> bool");
   m.impl("is_pinned_host", c10::DispatchKey::CPU, TORCH_FN(is_pinned_host));

@@ -12,11 +12,25 @@
   `.cpu()`, `nonzero`, printing), and an aten op that torch_npu runs on the host (op_coverage.py:
   no NPU kernel, or its kernel's CPU fallback). A copy from pinned host memory is recorded:
   replay reads the host buffer as it is then.
+- **Data-dependent output shapes are host traffic too**: an op whose NPU kernel synchronises the
+  stream to learn its output's size (nonzero, masked_select, indexing by a bool mask, unique,
+  repeat_interleave without output_size: op_coverage.SYNCS).
+- **A recorded FIA call must be captured with every KV length >= 1** (`actual_seq_lengths_kv`,
+  v2 `actual_seq_kvlen`): FIA's tiling key depends on the length split, and vllm-ascend captures
+  with lengths of 1 (its dummy run); a 0 at capture is a CaptureError.
 - **`update(cpu_update_input=[{...}, ...])`** rewrites the host lengths of the recorded FIA
-  calls, one dict per call in capture order, by argument name (`actual_seq_lengths`,
-  `actual_seq_lengths_kv` for FIA v1, `actual_seq_qlen`, `actual_seq_kvlen` for v2), as torch_npu
-  does; another name is an error. Updating a graph whose
-  last replay the host has not waited for is an error too: on hardware it races that replay.
+  calls, one dict per call in capture order (or one dict for all), by argument name
+  (`actual_seq_lengths`, `actual_seq_lengths_kv` for FIA v1, `actual_seq_qlen`,
+  `actual_seq_kvlen` for v2), as torch_npu does; another name, or another number of dicts, is an
+  error. Like torch_npu, it runs on the update stream shared by all graphs,
+  `graph.graph_dispatch_mode.update_stream` (torch_npu/npu/graphs.py:430-435, 554).
+- **Every replay of a graph with FIA calls needs an update since its last replay (or capture)**:
+  on hardware each recorded FIA task waits on an ExternalEvent that only update records
+  (torch_npu/npu/graphs.py:466-469, 587), so the replay would hang; here it raises.
+- **An update must not race the graph's last replay**: it is an error unless the host waited for
+  that replay (a stream/device synchronize, or an event recorded after it and synchronized or
+  queried) or the update stream waited on such an event (`wait_event`, `Event.wait`,
+  `wait_stream`), the torchair way (Ascend/torchair acl_graph.py:556-575 @ fced8842).
 """
 
 from __future__ import annotations
@@ -41,7 +55,8 @@ KERNEL_NAMESPACES = {"aten", "prims", "npu", "dcp_triton", "_c10d_functional", "
 """Ops recorded as one unit of device work (a kernel, a collective); other ops' npu kernels are
 Python over these, and run at capture."""
 _NPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
-DEVICE_TO_HOST = {aten._local_scalar_dense.default, aten.nonzero.default, aten.nonzero_static.default}
+KV_LENGTHS = {"npu_fused_infer_attention_score": "actual_seq_lengths_kv", "npu_fused_infer_attention_score_v2": "actual_seq_kvlen"}
+DEVICE_TO_HOST = {aten._local_scalar_dense.default}
 
 _capturing = threading.local()
 _pool_handles = itertools.count(1)
@@ -59,26 +74,33 @@ class CaptureError(RuntimeError):
     """An op that a device-graph capture cannot record (host traffic)."""
 
 
+class _Replay:
+    """One replay the host has not waited for (compared by identity)."""
+
+    def __init__(self, graph: "NPUGraph", stream):
+        self.graph, self.stream = graph, stream
+
+
 class _InFlight:
-    """Replays the host has not waited for: (graph, stream)."""
+    """Replays the host has not waited for."""
 
     def __init__(self):
-        self._replays: list[tuple["NPUGraph", object]] = []
+        self._replays: list[_Replay] = []
 
     def add(self, graph: "NPUGraph", stream) -> None:
-        self._replays.append((graph, stream))
+        self._replays.append(_Replay(graph, stream))
 
     def pending(self, stream) -> list:
-        return [entry for entry in self._replays if entry[1] == stream]
+        return [entry for entry in self._replays if entry.stream == stream]
 
     def complete(self, stream) -> None:
-        self._replays = [entry for entry in self._replays if stream is not None and entry[1] != stream]
+        self._replays = [entry for entry in self._replays if stream is not None and entry.stream != stream]
 
     def complete_these(self, entries: list) -> None:
-        self._replays = [entry for entry in self._replays if entry not in entries]
+        self._replays = [entry for entry in self._replays if all(entry is not e for e in entries)]
 
-    def running(self, graph: "NPUGraph") -> bool:
-        return any(entry[0] is graph for entry in self._replays)
+    def running(self, graph: "NPUGraph") -> list:
+        return [entry for entry in self._replays if entry.graph is graph]
 
 
 in_flight = _InFlight()
@@ -112,10 +134,34 @@ def _check_host_traffic(func, args, kwargs) -> None:
             raise CaptureError("a device-to-host copy inside an NPU graph capture")
         if _on_device(target) and not _on_device(source) and isinstance(source, torch.Tensor) and not source.is_pinned():
             raise CaptureError("a host-to-device copy from pageable memory inside an NPU graph capture (pin it)")
-    if op_coverage.off_device(func, args, kwargs):
+    where = op_coverage.call_verdict(func, args, kwargs)
+    if where == op_coverage.SYNCS_STREAM:
+        raise CaptureError(f"{func} synchronises the stream under torch_npu to learn its output's size (a "
+                           f"data-dependent shape: npu_emulator/op_coverage.py SYNCS), which an NPU graph capture "
+                           f"cannot record; issued at {op_coverage.issuing_source()}")
+    if where == op_coverage.OFF_DEVICE:
         raise CaptureError(f"{func} runs on the host under torch_npu (no NPU kernel, or its kernel's CPU fallback for "
                            f"these arguments: npu_emulator/op_coverage.py), which an NPU graph capture cannot record; "
                            f"issued at {op_coverage.issuing_source()}")
+
+
+def _updatable(func) -> bool:
+    return func.namespace == "npu" and getattr(func, "_opname", "") in UPDATABLE
+
+
+def _check_fia_capture_lengths(func, args, kwargs) -> None:
+    """A recorded FIA call captured with a KV length of 0 is refused: FIA's tiling key depends on
+    how the lengths split, so a graph captured on empty rows is not the graph later steps need.
+    vllm-ascend captures its dummy run with lengths >= 1 (docs/ascend.md §17)."""
+    if not _updatable(func):
+        return
+    name = KV_LENGTHS[func._opname]
+    position = [a.name for a in func._schema.arguments].index(name)
+    lengths = kwargs.get(name, args[position] if position < len(args) else None)
+    if lengths is not None and any(int(length) == 0 for length in lengths):
+        raise CaptureError(f"{func} captured with {name}={list(lengths)}: capture FIA with every KV length >= 1 "
+                           f"(a length of 0 at capture is refused, as vllm-ascend captures with lengths of 1; "
+                           f"update() may set 0 later); issued at {op_coverage.issuing_source()}")
 
 
 def _meta(value):
@@ -186,15 +232,31 @@ class _Recorder(TorchDispatchMode):
             with self:
                 return func.redispatch(_NPU_KEYS, *args, **kwargs)
         _check_host_traffic(func, args, kwargs)
+        _check_fia_capture_lengths(func, args, kwargs)
         outputs = _placeholders(func, args, kwargs)
         self.graph._records.append(_Recorded(func, args, dict(kwargs), outputs))
         return outputs
+
+
+class _GraphDispatchMode:
+    """torch_npu's per-graph recorder of updatable calls (`NPUGraph.graph_dispatch_mode`): here
+    only its update stream, one for all graphs, created with the first graph, as in
+    torch_npu/npu/graphs.py:430-435."""
+
+    update_stream = None
+
+    def __init__(self):
+        if _GraphDispatchMode.update_stream is None:
+            _GraphDispatchMode.update_stream = torch.npu.Stream()
 
 
 class NPUGraph:
     def __init__(self):
         self._records: list[_Recorded] = []
         self._captured = False
+        self._stale: list[_Recorded] = []
+        """Recorded FIA calls not updated since the last replay (or capture)."""
+        self.graph_dispatch_mode = _GraphDispatchMode()
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
         if is_current_stream_capturing():
@@ -208,27 +270,45 @@ class NPUGraph:
         _capturing.graph = None
         self._mode.__exit__(None, None, None)
         self._captured = True
+        self._stale = self._updatable_calls()
+
+    def _updatable_calls(self) -> list[_Recorded]:
+        return [r for r in self._records if _updatable(r.func)]
 
     def replay(self) -> None:
         if not self._captured:
             raise RuntimeError("NPUGraph.replay() before a capture")
-        for record in self._records:
-            result = record.func(*record.args, **record.kwargs)
-            for placeholder, value in zip(pytree.tree_leaves(record.outputs), pytree.tree_leaves(result)):
-                if isinstance(placeholder, torch.Tensor) and placeholder is not value:
-                    placeholder.copy_(value)
+        if self._stale:
+            raise RuntimeError(f"NPUGraph.replay() of a graph whose {len(self._stale)} recorded FIA call(s) were not "
+                               "updated since its last replay (or capture): on hardware each waits on an event that "
+                               "only NPUGraph.update records, and the replay would hang. Call "
+                               "update(cpu_update_input=...) before every replay")
+        previous = torch.ops.dcp_npu_emulator.set_replaying(True)
+        try:
+            for record in self._records:
+                result = record.func(*record.args, **record.kwargs)
+                for placeholder, value in zip(pytree.tree_leaves(record.outputs), pytree.tree_leaves(result)):
+                    if isinstance(placeholder, torch.Tensor) and placeholder is not value:
+                        placeholder.copy_(value)
+        finally:
+            torch.ops.dcp_npu_emulator.set_replaying(previous)
         in_flight.add(self, torch.npu.current_stream())
+        self._stale = self._updatable_calls()
 
     def update(self, cpu_update_input: list[dict]) -> None:
-        if in_flight.running(self):
-            raise RuntimeError("NPUGraph.update while the graph's last replay may still run: wait for it first "
-                               "(an event recorded after the replay, or a stream synchronize); on hardware the "
-                               "update races the replay")
-        calls = [r for r in self._records if getattr(r.func, "_opname", "") in UPDATABLE
-                 and r.func.namespace == "npu"]
-        if len(cpu_update_input) > len(calls):
+        calls = self._updatable_calls()
+        if len(cpu_update_input) == 1:  # one dict for every call (torch_npu graphs.py:535-540)
+            cpu_update_input = [dict(cpu_update_input[0]) for _ in calls]
+        if len(cpu_update_input) != len(calls):  # torch_npu graphs.py:545-552
             raise ValueError(f"cpu_update_input has {len(cpu_update_input)} entries, the graph recorded {len(calls)} "
-                             "updatable calls")
+                             "updatable calls: give one dict per call (or one for all)")
+        update_stream = self.graph_dispatch_mode.update_stream
+        unordered = [r for r in in_flight.running(self) if r not in update_stream.waited]
+        if unordered:
+            raise RuntimeError("NPUGraph.update while the graph's last replay may still run: wait for it first, on "
+                               "the host (an event recorded after the replay and synchronized, or a stream "
+                               "synchronize) or on the device (graph.graph_dispatch_mode.update_stream.wait_event of "
+                               "such an event); on hardware the update races the replay")
         for record, update in zip(calls, cpu_update_input):
             allowed = UPDATABLE[record.func._opname]
             for name, value in update.items():
@@ -236,6 +316,7 @@ class NPUGraph:
                     raise ValueError(f"NPUGraph.update: {record.func._opname} takes no update of {name!r} "
                                      f"(it updates {list(allowed)})")
                 record.kwargs[name] = list(value)
+        self._stale = []
 
     @property
     def recorded_ops(self) -> list[str]:

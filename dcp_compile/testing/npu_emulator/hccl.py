@@ -14,6 +14,17 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllT
 from torch.futures import Future
 
 NAME = "hccl"
+_alltoallv_calls = 0
+"""all_to_all_single calls with explicit split lists since the last reset (npu_emulator.alltoallv_calls())."""
+
+
+def alltoallv_calls() -> int:
+    return _alltoallv_calls
+
+
+def reset_alltoallv_calls() -> None:
+    global _alltoallv_calls
+    _alltoallv_calls = 0
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
@@ -78,6 +89,12 @@ class EmulatedHCCL(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def alltoall_base(self, output, input, output_splits, input_splits, opts=AllToAllOptions()):
+        # torch_npu ProcessGroupHCCL::alltoall_base (Ascend/pytorch ProcessGroupHCCL.cpp:7014 @
+        # 9e73e708): both split lists empty take hcclAlltoAll (equal blocks, :7067); otherwise
+        # hcclAlltoAllV (:7183) with per-rank counts and displacements built on the host.
+        if output_splits or input_splits:
+            global _alltoallv_calls
+            _alltoallv_calls += 1
         return self._run(self._gloo.alltoall_base(_host(output), _host(input), output_splits, input_splits, opts), output)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=AllToAllOptions()):

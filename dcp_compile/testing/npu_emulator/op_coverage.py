@@ -22,7 +22,7 @@ import torch
 
 from dcp_compile.testing.npu_emulator.npu_aten_ops import OPS
 
-ON_DEVICE, OFF_DEVICE, CONDITIONAL = 0, 1, 2
+ON_DEVICE, OFF_DEVICE, CONDITIONAL, SYNCS_STREAM = 0, 1, 2, 3
 _COMPOSITE_KEYS = ("CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional", "CompositeImplicitAutograd")
 
 
@@ -30,9 +30,10 @@ def _scatter_reduce_falls_back(self, dim, index, src, reduce, include_self=True,
     """op-plugin ScatterReduceKernelNpuOpApi.cpp @ 517f2e7d, scatter_reduce (lines 107-126) and
     scatter_reduce_ (144-160): only include_self with reduce "sum"/"add" on fp32, on a SoC older
     than Ascend950, reaches aclnnScatterReduce; everything else goes to scatter_reduce_cpu_fallback
-    (lines 61-71: self.cpu(), index.cpu(), src.cpu(), then .to(self.options())). The emulated SoC
-    is older than Ascend950."""
-    return not (include_self and reduce in ("sum", "add") and self.dtype == torch.float32)
+    (lines 61-71: self.cpu(), index.cpu(), src.cpu(), then .to(self.options())). The SoC is
+    $DCP_COMPILE_NPU_EMULATOR_SOC (torch.npu.get_soc_version(); Ascend950 is 260)."""
+    older_than_950 = torch.npu.get_soc_version() < 260
+    return not (older_than_950 and include_self and reduce in ("sum", "add") and self.dtype == torch.float32)
 
 
 FALLBACKS = {
@@ -45,6 +46,45 @@ NPU graphs (docs/ascend.md §16): no other kernel of theirs leaves the device (t
 calls of the binary ops' kernels read 0-dim *host* tensors, as Python scalars)."""
 
 
+def _always(*_) -> bool:
+    return True
+
+
+def _has_bool_index(self, indices, *_) -> bool:
+    """op-plugin AdvancedIndex.cpp:302-330 @ 517f2e7d: npu_expand_tensors replaces a bool/uint8
+    index by its nonzero(), whose aclnnNonzeroV2 runs with EXEC_NPU_CMD_SYNC (line 87); called by
+    index.Tensor (IndexKernelNpuOpApi.cpp:48)."""
+    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def _no_output_size(*arguments) -> bool:
+    """repeat_interleave without output_size reads the repeats' sum on the host: .item() in
+    RepeatInterLeaveKernelNpuOpApi.cpp:238-239 (repeats only) and KernelNpuOutputSize.cpp:1909,
+    1919 (self_Tensor, via repeat_interleave_npu_output_size_opapi) @ 517f2e7d."""
+    return arguments[-1] is None
+
+
+SYNCS = {
+    # EXEC_NPU_CMD_SYNC (op_api_common.h:744-812) ends in OpCommand::RunOpApiV2(..., sync=true),
+    # which calls aclrtSynchronizeStream (Ascend/pytorch OpCommand.cpp:279-281 @ 9e73e708); the
+    # kernel then reads the output's real shape (aclGetViewShape) and resizes it.
+    "nonzero": _always,  # NonzeroKernelNpuOpApi.cpp:32 (nonzero :62, nonzero_out :50)
+    "nonzero.out": _always,
+    "masked_select": _always,  # MaskedSelectKernelNpuOpApi.cpp:51 (masked_select :73)
+    "masked_select.out": _always,  # :85
+    "index.Tensor": _has_bool_index,
+    "_unique": _always,  # _UniqueKernelNpuOpApi.cpp:101-102
+    "_unique2": _always,  # Unique2KernelNpuOpApi.cpp:85-86
+    "unique_dim": _always,  # UniqueDimKernelNpuOpApi.cpp:63
+    "unique_consecutive": _always,  # UniqueConsecutiveKernelNpuOpApi.cpp:66
+    "repeat_interleave.Tensor": _no_output_size,
+    "repeat_interleave.self_Tensor": _no_output_size,
+}
+"""NPU kernels that synchronise the stream to learn their output's size (data-dependent shapes),
+by table name: the condition over the op's arguments in schema order. A host sync in eager, an
+error in a capture (the kernel's output shape would be the capture's)."""
+
+
 def table_name(name: str, overload: str) -> str:
     """`name.overload` as the yaml files write it ("name" for the default overload)."""
     return name if overload in ("", "default") else f"{name}.{overload}"
@@ -54,8 +94,10 @@ def verdict(name: str, overload: str) -> int:
     """ON_DEVICE, OFF_DEVICE or CONDITIONAL (see falls_back) for an aten op that reaches the
     device's kernels (the emulator's C++ fallback asks once per op)."""
     key = table_name(name, overload)
-    if key in FALLBACKS:
+    if key in FALLBACKS or key in SYNCS and SYNCS[key] is not _always:
         return CONDITIONAL
+    if key in SYNCS:
+        return SYNCS_STREAM
     return ON_DEVICE if key in OPS or _functional_form(name, overload) in OPS else OFF_DEVICE
 
 
@@ -69,9 +111,15 @@ def _functional_form(name: str, overload: str) -> str:
     return table_name(name, overload[:-4]) if overload.endswith("_out") else ""
 
 
-def falls_back(name: str, overload: str, arguments) -> bool:
-    """Whether a CONDITIONAL op runs these arguments (in schema order) on the host."""
-    return FALLBACKS[table_name(name, overload)](*arguments)
+def decide(name: str, overload: str, arguments) -> int:
+    """ON_DEVICE, OFF_DEVICE or SYNCS_STREAM for a call of a CONDITIONAL op with these arguments
+    (in schema order)."""
+    key = table_name(name, overload)
+    if key in FALLBACKS and FALLBACKS[key](*arguments):
+        return OFF_DEVICE
+    if key in SYNCS and SYNCS[key](*arguments):
+        return SYNCS_STREAM
+    return ON_DEVICE
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,22 +127,27 @@ def _verdict_of(func) -> int:
     if func.namespace != "aten":
         return ON_DEVICE
     key = table_name(func._schema.name.split("::")[-1], func._overloadname)
-    if key in FALLBACKS:
-        return CONDITIONAL
+    if key in FALLBACKS or key in SYNCS:
+        return verdict(func._schema.name.split("::")[-1], func._overloadname)
     if any(torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), k) for k in _COMPOSITE_KEYS):
         return ON_DEVICE
     return verdict(func._schema.name.split("::")[-1], func._overloadname)
 
 
-def off_device(func, args, kwargs) -> bool:
-    """Whether torch_npu runs this call of `func` (an OpOverload seen above the dispatcher, as in
-    a capture) on the host."""
+def call_verdict(func, args, kwargs) -> int:
+    """ON_DEVICE, OFF_DEVICE or SYNCS_STREAM for this call of `func` (an OpOverload seen above the
+    dispatcher, as in a capture)."""
     decided = _verdict_of(func)
     if decided != CONDITIONAL:
-        return decided == OFF_DEVICE
+        return decided
     arguments = [kwargs[a.name] if a.name in kwargs else args[i] if i < len(args) else a.default_value
                  for i, a in enumerate(func._schema.arguments)]
-    return FALLBACKS[table_name(func._schema.name.split("::")[-1], func._overloadname)](*arguments)
+    return decide(func._schema.name.split("::")[-1], func._overloadname, arguments)
+
+
+def off_device(func, args, kwargs) -> bool:
+    """Whether torch_npu runs this call of `func` on the host."""
+    return call_verdict(func, args, kwargs) == OFF_DEVICE
 
 
 _OWN = Path(__file__).parent
