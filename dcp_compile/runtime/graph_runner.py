@@ -14,11 +14,12 @@ told (an NPU graph's host lengths, for `NPUGraph.update`). In debug mode it chec
 feed was fed for this step and that no captured address moved, and it runs the metadata check
 that the captured graph's own debug checks cannot run inside a capture (they read the device).
 
-No host sync in a replayed step's copies (docs/graphs.md): host tensors reach the static buffers
+No host sync in a replayed step's copies: host tensors reach the static buffers
 through pinned staging buffers (runtime/host_inputs.PinnedStaging), tensors already on the device
 are copied device-to-device, and a batch input that no graph of the captured step reads (every
 feed's `unread_inputs()`) is not copied at all. `h2d_last_step` says what the last replay copied
-host-to-device, by input.
+host-to-device, by input. (The graph back end's own waits are its concern: NPUGraphs waits for a
+graph's previous replay before it updates the graph's host lengths.)
 """
 
 from __future__ import annotations

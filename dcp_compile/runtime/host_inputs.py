@@ -17,7 +17,8 @@ feed is handed the step's host metadata (runtime/host_metadata.py):
   not copy them before a replay.
 
 Tensors reach the device through pinned staging buffers (`PinnedStaging`): no copy a feed or the
-graph runner makes before a replay syncs the host with the device (docs/graphs.md).
+graph runner makes before a replay syncs the host with the device (why two slots of staging
+buffers suffice, and what happens when they do not: PinnedStaging).
 
 The runtime and the graph runner know only this interface; lowering/ implements it. The feed
 lives with its compiled graph: nothing is kept once the graph is gone.
