@@ -72,6 +72,7 @@ def fia_records(graph):
 
 
 def test_a_capture_sees_lengths_of_at_least_one_and_a_replay_after_update_matches_eager():
+    """Decode steps, then a split verify (its FIA takes the KV lengths before each row's first query)."""
     model, eager = npu_model(), npu_model()
     tables = [RequestTable(4, 96, 1024, PAGE) for _ in range(2)]
     for m, table in zip((model, eager), tables):
@@ -93,3 +94,14 @@ def test_a_capture_sees_lengths_of_at_least_one_and_a_replay_after_update_matche
         padded = tables[1].extend_batch(requests, tokens).padded(4, 1)
         expected = eager(*padded.to(NPU).args(), host_metadata=padded.host)[:3]
         assert torch.equal(out.cpu(), expected.cpu())
+    # a split verify of 3 drafts a row: FIA over the keys before each row's first query
+    drafts = [[20 + r] * 3 for r in requests]
+    batch = tables[0].extend_batch(requests, drafts, all_logits=True)
+    captured = runner.capture(batch, 3)
+    (fia,) = fia_records(captured.graph)
+    assert fia.kwargs["actual_seq_lengths_kv"] == [1, 1, 1, 1] and fia.kwargs["actual_seq_lengths"] == [3, 6, 9, 12]
+    out = runner(batch, tokens_per_row=3)
+    assert fia.kwargs["actual_seq_lengths_kv"] == [17, 33, 3, 0]
+    padded = tables[1].extend_batch(requests, drafts, all_logits=True).padded(4, 3)
+    expected = eager(*padded.to(NPU).args(), host_metadata=padded.host)[:9]
+    assert torch.equal(out.cpu(), expected.cpu())
