@@ -219,14 +219,16 @@ class GraphRunner:
         return updates or None
 
     @staticmethod
-    def _padded(batch: ForwardBatch, bucket: int, tokens_per_row: int) -> tuple[dict[str, torch.Tensor], HostMetadata | None]:
-        """The batch inputs grown to the bucket, by field, and its host metadata grown with them
-        (ForwardBatch.padded, which checks the host metadata still describes the batch). The page
-        table is left at the batch's rows (its padded rows are zeros: the copy into the static
-        buffer zeroes them), so that a step does not build a [bucket, max_context] table on the
-        host only to copy it, or not copy it at all when no graph reads it."""
+    def _padded(batch: ForwardBatch, bucket: int,
+                tokens_per_row: int) -> tuple[dict[str, torch.Tensor], HostMetadata | None]:
+        """The batch inputs grown to the bucket as ForwardBatch.padded grows them, by field, and
+        its host metadata grown with them, once checked to still describe the batch. The page
+        table is left at the batch's rows (padded rows are zeros: the copy into the static buffer
+        zeroes them), so that a step builds no [bucket, max_context] table on the host only to
+        copy it, or not to copy it when no graph reads it."""
         host = batch._checked_host()
-        narrow = ForwardBatch(*(t[:, :0] if name == "req_to_token" else t for name, t in zip(BATCH_FIELDS, batch.args())))
+        narrow = ForwardBatch(*(t[:, :0] if name == "req_to_token" else t
+                                for name, t in zip(BATCH_FIELDS, batch.args())))  # no host: nothing bound
         padded = dict(zip(BATCH_FIELDS, narrow.padded(bucket, tokens_per_row).args()))
         padded["req_to_token"] = batch.req_to_token
         return padded, host.padded(bucket, tokens_per_row) if host is not None else None
@@ -235,10 +237,10 @@ class GraphRunner:
         """Copy the step's inputs into the captured graph's static buffers, through its pinned
         staging (no host sync); inputs no graph of the step reads are not copied."""
         self.h2d_last_step = {}
-        with captured.staging.slot() as slot:
+        with captured.staging.step() as copies:
             for name, static in zip(BATCH_FIELDS, captured.inputs.args()):
                 if name not in captured.unread:
-                    self.h2d_last_step[name] = slot.copy(name, static, fresh[name])
+                    self.h2d_last_step[name] = copies.copy(name, static, fresh[name])
 
     def _check_inputs(self, captured: _Captured, fresh: dict[str, torch.Tensor]) -> None:
         inputs = {name: fresh[name] if name in captured.unread else static

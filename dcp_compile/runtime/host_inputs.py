@@ -65,13 +65,12 @@ class StaleHostInputsError(RuntimeError):
 
 
 class _StagingSlot:
-    """One step's pinned buffers (by key) and the event recorded after the copies made from them."""
+    """Pinned host buffers (by key) for one step's copies, and the event recorded after them."""
 
     def __init__(self):
         self.buffers: dict = {}
         self.event = None
-        self.h2d_bytes = 0
-        """Bytes copied host-to-device from this slot in its current step."""
+        self.device: torch.device | None = None
 
     def buffer(self, key, like: torch.Tensor) -> torch.Tensor:
         buffer = self.buffers.get(key)
@@ -80,9 +79,22 @@ class _StagingSlot:
             self.buffers[key] = buffer
         return buffer
 
+
+class StagedCopies:
+    """One step's copies into device buffers (`PinnedStaging.step()`)."""
+
+    def __init__(self, staging: "PinnedStaging"):
+        self._staging = staging
+        self.slot: _StagingSlot | None = None
+        """The slot of pinned buffers this step writes, taken at its first host-to-device copy
+        (none is taken, and no event queried, in a step that makes none: a CUDA capture forbids
+        event queries)."""
+        self.h2d_bytes = 0
+        """Bytes this step copied host-to-device."""
+
     def copy(self, key, target: torch.Tensor, source: torch.Tensor) -> int:
         """Enqueue `target.copy_(source)` without a host sync; returns the bytes copied
-        host-to-device. A host source is written into this slot's pinned buffer `key` first (a host
+        host-to-device. A host source is written into the slot's pinned buffer `key` first (a host
         memcpy) and copied from there; a source already on the device is copied device-to-device.
         A source of fewer rows than `target` fills its first rows, and the rest are zeroed on the
         device (only the rows given cross to the device)."""
@@ -92,12 +104,14 @@ class _StagingSlot:
             head.copy_(source, non_blocking=target.device.type != "cpu")
             copied = 0
         else:
-            staging = self.buffer(key, target)
+            if self.slot is None:
+                self.slot = self._staging._take()
+            staging = self.slot.buffer(key, target)
             staged = staging if rows is None else staging[:rows]
             staged.copy_(source)
             head.copy_(staged, non_blocking=True)
-            if self.event is None:
-                self.event, self.device = getattr(torch, target.device.type).Event(), target.device
+            if self.slot.event is None:
+                self.slot.event, self.slot.device = getattr(torch, target.device.type).Event(), target.device
             copied = staged.nbytes
         if rows is not None:
             target[rows:].zero_()
@@ -116,8 +130,9 @@ class PinnedStaging:
     non_blocking=True)`.
 
     The host must not write a staging buffer again while a copy enqueued from it may still be
-    pending. Buffers come in slots, one slot per step (`with staging.slot() as slot:`), and an
-    event is recorded on the stream after a step's copies. A step takes the least recently used
+    pending. Buffers come in slots, one slot per step (`with staging.step() as copies:
+    copies.copy(key, target, source)`), and an event is recorded on the stream after a step's
+    copies. A step takes the least recently used
     slot if its event has completed (`Event.query()`, which does not block), else a new slot, up
     to `max_slots`; only past that does it wait for the oldest slot's event (counted in `waits`).
 
@@ -155,21 +170,22 @@ class PinnedStaging:
                             self.max_slots)
             slot.event.synchronize()
             self._slots.popleft()
-        slot.event, slot.h2d_bytes = None, 0
+        slot.event = None
         return slot
 
     @contextlib.contextmanager
-    def slot(self):
-        """A slot for one step's copies (`slot.copy(key, target, source)`); the event after them
-        is recorded on leaving."""
-        slot = self._take()
+    def step(self):
+        """One step's copies (`copies.copy(key, target, source)`); on leaving, the event after
+        them is recorded on the current stream, and their slot goes last in line for reuse."""
+        copies = StagedCopies(self)
         try:
-            yield slot
+            yield copies
         finally:
-            if slot.event is not None:
-                backend = getattr(torch, slot.device.type)
-                slot.event.record(backend.current_stream(slot.device))
-            self._slots.append(slot)
+            slot = copies.slot
+            if slot is not None:
+                if slot.event is not None:
+                    slot.event.record(getattr(torch, slot.device.type).current_stream(slot.device))
+                self._slots.append(slot)
 
 
 def host_placeholders(graph: fx.Graph) -> list[fx.Node]:
@@ -232,19 +248,19 @@ class HostFeed:
         graph runner feeds every replay before it runs."""
         lengths = _lengths(host)
         values = []
-        with self._staging.slot() as slot:
+        with self._staging.step() as copies:
             for i, (node, host_input) in enumerate(zip(self.placeholders, self.inputs)):
                 if host_input.kind == "block_table":
-                    values.append(self._table(i, node, host, slot))
+                    values.append(self._table(i, node, host, copies))
                 elif host_input.kind in lengths:
                     values.append(lengths[host_input.kind][host_input.index])
                 else:
                     values.append(self.value(host_input, host, node.meta["val"]))
-        self.h2d_bytes = slot.h2d_bytes
+        self.h2d_bytes = copies.h2d_bytes
         self.fed = host
         return values
 
-    def _table(self, i: int, node: fx.Node, host: RankHostMetadata, slot: _StagingSlot) -> torch.Tensor:
+    def _table(self, i: int, node: fx.Node, host: RankHostMetadata, copies: StagedCopies) -> torch.Tensor:
         example = node.meta["val"]
         if host.block_table is None or tuple(host.block_table.shape) != tuple(example.shape):
             raise ValueError(f"the graph reads a {list(example.shape)} block table; host metadata has "
@@ -253,7 +269,7 @@ class HostFeed:
             self._buffers[i] = torch.zeros(example.shape, dtype=example.dtype, device=example.device)
         buffer = self._buffers[i]
         if not devices.capturing(buffer.device):
-            slot.copy(i, buffer, host.block_table)  # through pinned memory: no host sync
+            copies.copy(i, buffer, host.block_table)  # through pinned memory: no host sync
         return buffer
 
     def examples(self) -> list:

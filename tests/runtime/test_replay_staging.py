@@ -104,20 +104,30 @@ def test_host_sources_go_through_pinned_buffers_and_device_sources_do_not(npu):
     target = torch.zeros(4, 3, dtype=torch.int64, device=npu)
     source = torch.arange(12).view(4, 3)
     on_device = (source + 1).to(npu)
-    with HostTraffic() as traffic, staging.slot() as slot:
-        assert slot.copy("x", target, source) == 96
-        assert slot.copy("y", target, on_device) == 0  # device to device
+    with HostTraffic() as traffic, staging.step() as copies:
+        assert copies.copy("x", target, source) == 96
+        assert copies.copy("y", target, on_device) == 0  # device to device
     assert traffic.pageable == 0 and traffic.pinned == 96 and traffic.to_host == 0
-    assert slot.h2d_bytes == 96 and torch.equal(target.cpu(), source + 1)
-    assert slot.buffers["x"].is_pinned() and "y" not in slot.buffers
+    assert copies.h2d_bytes == 96 and torch.equal(target.cpu(), source + 1)
+    assert copies.slot.buffers["x"].is_pinned() and "y" not in copies.slot.buffers
 
 
 def test_a_source_of_fewer_rows_fills_the_first_and_zeroes_the_rest(npu):
     staging = PinnedStaging()
     target = torch.full((4, 3), 7, dtype=torch.int64, device=npu)
-    with staging.slot() as slot:
-        assert slot.copy("x", target, torch.ones(2, 3, dtype=torch.int64)) == 48  # only the rows given cross
+    with staging.step() as copies:
+        assert copies.copy("x", target, torch.ones(2, 3, dtype=torch.int64)) == 48  # only the rows given cross
     assert target.cpu().tolist() == [[1] * 3, [1] * 3, [0] * 3, [0] * 3]
+
+
+def test_a_step_without_host_copies_takes_no_slot_and_queries_no_event(npu, monkeypatch):
+    """As in a capture (CUDA forbids event queries there): device-to-device copies only."""
+    monkeypatch.setattr(torch.npu, "Event", lambda: pytest.fail("an event was made"))
+    staging = PinnedStaging()
+    target = torch.zeros(3, device=npu)
+    with staging.step() as copies:
+        copies.copy("x", target, torch.ones(3, device=npu))
+    assert copies.slot is None and copies.h2d_bytes == 0 and torch.equal(target.cpu(), torch.ones(3))
 
 
 def test_two_slots_alternate_and_a_pending_slot_is_never_rewritten(npu, monkeypatch):
@@ -134,9 +144,9 @@ def test_two_slots_alternate_and_a_pending_slot_is_never_rewritten(npu, monkeypa
     target = torch.zeros(2, dtype=torch.int64, device=npu)
 
     def step(value):
-        with staging.slot() as slot:
-            slot.copy("x", target, torch.full((2,), value))
-        return slot
+        with staging.step() as copies:
+            copies.copy("x", target, torch.full((2,), value))
+        return copies.slot
 
     first = step(1)
     events[-1].done = True
