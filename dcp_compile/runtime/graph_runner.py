@@ -13,6 +13,13 @@ tensors copied into the buffers the captured graph reads), and hands a back end 
 told (an NPU graph's host lengths, for `NPUGraph.update`). In debug mode it checks that every
 feed was fed for this step and that no captured address moved, and it runs the metadata check
 that the captured graph's own debug checks cannot run inside a capture (they read the device).
+
+No host sync in a replayed step's copies: host tensors reach the static buffers
+through pinned staging buffers (runtime/host_inputs.PinnedStaging), tensors already on the device
+are copied device-to-device, and a batch input that no graph of the captured step reads (every
+feed's `unread_inputs()`) is not copied at all. `h2d_last_step` says what the last replay copied
+host-to-device, by input. (The graph back end's own waits are its concern: NPUGraphs waits for a
+graph's previous replay before it updates the graph's host lengths.)
 """
 
 from __future__ import annotations
@@ -20,16 +27,21 @@ from __future__ import annotations
 import bisect
 import logging
 import warnings
+from dataclasses import fields
 
 import torch
 
 from dcp_compile.runtime.batch import ForwardBatch
 from dcp_compile.runtime.devices import require_torch_npu
-from dcp_compile.runtime.host_inputs import HostFeed, HostSlot
+from dcp_compile.runtime.host_inputs import HostFeed, HostSlot, PinnedStaging
 from dcp_compile.runtime.host_metadata import HostMetadata
 
 log = logging.getLogger("dcp_compile.runtime")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_FIELDS = tuple(f.name for f in fields(ForwardBatch) if f.name != "host")
+"""ForwardBatch's tensor fields, in args() order: the names HostFeed.unread_inputs() reports."""
+FEEDS = "feeds"
+"""The key of GraphRunner.h2d_last_step for what the feeds copied (block tables)."""
 
 
 class StaleAddressError(RuntimeError):
@@ -131,6 +143,23 @@ class _Captured:
         self.graph, self.inputs, self.output, self.addresses = graph, inputs, output, addresses
         self.feeds = feeds
         """The host feeds of the graphs the captured step ran, fed anew before every replay."""
+        self.unread = unread_inputs(feeds)
+        """Batch inputs no graph of the step reads: not copied before a replay (their static
+        buffers keep the capture's values, which nothing reads)."""
+        self.staging = PinnedStaging()
+        """Pinned host buffers for the copies into `inputs`."""
+
+
+def unread_inputs(feeds: list[HostFeed]) -> frozenset[str]:
+    """The batch inputs every feed reports unread; none without feeds (then the runner cannot
+    know what the step's graphs read, and copies every input).
+
+    A step whose graphs do not all have feeds (a graph with no host-fed input has none) must not
+    rely on this: a graph without a feed that reads an input another graph's feed reports unread
+    would replay a stale value. A compiled step is one graph (fullgraph=True)."""
+    if not feeds:
+        return frozenset()
+    return frozenset.intersection(*(frozenset(feed.unread_inputs()) for feed in feeds))
 
 
 class GraphRunner:
@@ -155,6 +184,14 @@ class GraphRunner:
         self.host_slot = host_slot
         self.captured: dict[tuple[int, int, int], _Captured] = {}
         self._warned = False
+        self.h2d_last_step: dict[str, int] = {}
+        """Bytes the last replay copied host-to-device, by batch input (ForwardBatch field) and
+        FEEDS for the feeds' buffers; an input not copied is absent."""
+
+    @property
+    def h2d_bytes_last_step(self) -> int:
+        """Bytes the last replay copied host-to-device: its batch inputs and feeds' buffers."""
+        return sum(self.h2d_last_step.values())
 
     def bucket_for(self, rows: int) -> int | None:
         i = bisect.bisect_left(self.buckets, rows)
@@ -185,9 +222,40 @@ class GraphRunner:
         return updates or None
 
     @staticmethod
-    def _check_inputs(inputs: ForwardBatch) -> None:
-        torch.ops.dcp.check_metadata(inputs.req_to_token, inputs.seq_lens, inputs.q_seq_ids, inputs.positions,
-                                     inputs.out_loc)
+    def _padded(batch: ForwardBatch, bucket: int,
+                tokens_per_row: int) -> tuple[dict[str, torch.Tensor], HostMetadata | None]:
+        """The batch inputs grown to the bucket as ForwardBatch.padded grows them, by field, and
+        its host metadata grown with them, once checked to still describe the batch. The page
+        table is left at the batch's rows (padded rows are zeros: the copy into the static buffer
+        zeroes them), so that a step builds no [bucket, max_context] table on the host only to
+        copy it, or not to copy it when no graph reads it."""
+        host = batch._checked_host()
+        narrow = ForwardBatch(*(t[:, :0] if name == "req_to_token" else t
+                                for name, t in zip(BATCH_FIELDS, batch.args())))  # no host: nothing bound
+        padded = dict(zip(BATCH_FIELDS, narrow.padded(bucket, tokens_per_row).args()))
+        padded["req_to_token"] = batch.req_to_token
+        return padded, host.padded(bucket, tokens_per_row) if host is not None else None
+
+    def _copy_inputs(self, captured: _Captured, fresh: dict[str, torch.Tensor]) -> None:
+        """Copy the step's inputs into the captured graph's static buffers, through its pinned
+        staging (no host sync); inputs no graph of the step reads are not copied."""
+        self.h2d_last_step = {}
+        with captured.staging.step() as copies:
+            for name, static in zip(BATCH_FIELDS, captured.inputs.args()):
+                if name not in captured.unread:
+                    self.h2d_last_step[name] = copies.copy(name, static, fresh[name])
+
+    def _check_inputs(self, captured: _Captured, fresh: dict[str, torch.Tensor]) -> None:
+        inputs = {name: fresh[name] if name in captured.unread else static
+                  for name, static in zip(BATCH_FIELDS, captured.inputs.args())}
+        if "req_to_token" in captured.unread:  # checked as the batch has it (the graph does not read it)
+            static = captured.inputs.req_to_token
+            table = torch.zeros(static.shape, dtype=static.dtype)
+            table[: fresh["req_to_token"].shape[0]] = fresh["req_to_token"].cpu()
+            inputs["req_to_token"] = table
+        inputs = {name: t.to(self.graphs.device) for name, t in inputs.items()}
+        torch.ops.dcp.check_metadata(inputs["req_to_token"], inputs["seq_lens"], inputs["q_seq_ids"],
+                                     inputs["positions"], inputs["out_loc"])
 
     def capture(self, template: ForwardBatch, tokens_per_row: int) -> _Captured:
         """Capture the graph for template's bucket and page-table width. Verify graphs (more than
@@ -218,12 +286,12 @@ class GraphRunner:
         captured = self.captured.get(key) or self.capture(batch, tokens_per_row)
         if self.debug and self._addresses(captured.inputs) != captured.addresses:
             raise StaleAddressError("an input or KV buffer of a captured graph moved since capture")
-        padded = batch.padded(bucket, tokens_per_row)
-        for static, fresh in zip(captured.inputs.args(), padded.args()):
-            static.copy_(fresh, non_blocking=True)
+        fresh, host = self._padded(batch, bucket, tokens_per_row)
+        self._copy_inputs(captured, fresh)
         if self.debug:  # the graph's own debug checks ran at capture only: they cannot read the device there
-            self._check_inputs(captured.inputs)
-        updates = self._feed(captured.feeds, padded.host)
+            self._check_inputs(captured, fresh)
+        updates = self._feed(captured.feeds, host)
+        self.h2d_last_step[FEEDS] = sum(feed.h2d_bytes for feed in captured.feeds)
         self.graphs.replay(captured.graph, updates)
         if self.debug and updates is not None and self.graphs.applied(captured.graph) != updates:
             raise StaleHostLengthsError(

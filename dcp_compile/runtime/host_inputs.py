@@ -11,7 +11,14 @@ feed is handed the step's host metadata (runtime/host_metadata.py):
   ints; a tensor (the block table) is copied into a device buffer the feed owns and never moves,
   so a captured graph reads this step's table when it is replayed;
 - `graph_updates(host)`: the host values an NPU graph bakes in at capture (a kernel's host
-  lengths, by argument name), for `NPUGraph.update` before a replay.
+  lengths, by argument name), for `NPUGraph.update` before a replay;
+- `unread_inputs()`: the batch inputs (ForwardBatch fields, by the `BATCH_INPUT` mark the
+  lowering puts on their placeholders) that the lowered graph does not read: a graph runner does
+  not copy them before a replay.
+
+Tensors reach the device through pinned staging buffers (`PinnedStaging`): no copy a feed or the
+graph runner makes before a replay syncs the host with the device (why two slots of staging
+buffers suffice, and what happens when they do not: PinnedStaging).
 
 The runtime and the graph runner know only this interface; lowering/ implements it. The feed
 lives with its compiled graph: nothing is kept once the graph is gone.
@@ -19,6 +26,9 @@ lives with its compiled graph: nothing is kept once the graph is gone.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +37,15 @@ import torch.fx as fx
 from dcp_compile.runtime import devices
 from dcp_compile.runtime.host_metadata import HostMetadata, RankHostMetadata
 
+log = logging.getLogger("dcp_compile.runtime")
+
 HOST_INPUT = "dcp_host_input"
 """Placeholder meta key: the HostInput a host-fed placeholder takes."""
+
+BATCH_INPUT = "dcp_batch_input"
+"""Placeholder meta key: the ForwardBatch field (e.g. "req_to_token") a batch-input placeholder of
+a lowered graph takes, set by the lowering on the placeholders it knows. `HostFeed.unread_inputs`
+reports those with no users in the lowered graph."""
 
 LENGTH_KINDS = ("local_len", "local_prefix_len", "cumulative_query_len", "query_len")
 """Host-list kinds every feed serves (one int per batch row each)."""
@@ -45,6 +62,130 @@ class HostInput:
 
 class StaleHostInputsError(RuntimeError):
     """A replay would read host inputs fed for another step (debug mode)."""
+
+
+class _StagingSlot:
+    """Pinned host buffers (by key) for one step's copies, and the event recorded after them."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+        self.event = None
+        self.device: torch.device | None = None
+
+    def buffer(self, key, like: torch.Tensor) -> torch.Tensor:
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+            self.buffers[key] = buffer
+        return buffer
+
+
+class StagedCopies:
+    """One step's copies into device buffers (`PinnedStaging.step()`)."""
+
+    def __init__(self, staging: "PinnedStaging"):
+        self._staging = staging
+        self.slot: _StagingSlot | None = None
+        """The slot of pinned buffers this step writes, taken at its first host-to-device copy
+        (none is taken, and no event queried, in a step that makes none: a CUDA capture forbids
+        event queries)."""
+        self.h2d_bytes = 0
+        """Bytes this step copied host-to-device."""
+
+    def copy(self, key, target: torch.Tensor, source: torch.Tensor) -> int:
+        """Enqueue `target.copy_(source)` without a host sync; returns the bytes copied
+        host-to-device. A host source is written into the slot's pinned buffer `key` first (a host
+        memcpy) and copied from there; a source already on the device is copied device-to-device.
+        A source of fewer rows than `target` fills its first rows, and the rest are zeroed on the
+        device (only the rows given cross to the device)."""
+        rows = source.shape[0] if source.dim() and source.shape != target.shape else None
+        head = target if rows is None else target[:rows]
+        if target.device.type == "cpu" or source.device.type != "cpu":
+            head.copy_(source, non_blocking=target.device.type != "cpu")
+            copied = 0
+        else:
+            if self.slot is None:
+                self.slot = self._staging._take()
+            staging = self.slot.buffer(key, target)
+            staged = staging if rows is None else staging[:rows]
+            staged.copy_(source)
+            head.copy_(staged, non_blocking=True)
+            if self.slot.event is None:
+                self.slot.event, self.slot.device = getattr(torch, target.device.type).Event(), target.device
+            copied = staged.nbytes
+        if rows is not None:
+            target[rows:].zero_()
+        self.h2d_bytes += copied
+        return copied
+
+
+class PinnedStaging:
+    """Host-to-device copies into fixed device buffers with no host sync.
+
+    A copy from pageable host memory syncs the host with the stream: torch_npu copies it
+    non-blocking and then synchronises the stream (Ascend/pytorch CopyKernel.cpp:134-140), CUDA
+    copies it through a staging buffer of its own and waits. A copy from pinned memory is a DMA
+    that the stream runs in its turn. So every copy goes through a pinned staging buffer: the host
+    writes the step's value into it (a memcpy), then enqueues `target.copy_(staging,
+    non_blocking=True)`.
+
+    The host must not write a staging buffer again while a copy enqueued from it may still be
+    pending. Buffers come in slots, one slot per step (`with staging.step() as copies:
+    copies.copy(key, target, source)`), and an event is recorded on the stream after a step's
+    copies. A step takes the least recently used
+    slot if its event has completed (`Event.query()`, which does not block), else a new slot, up
+    to `max_slots`; only past that does it wait for the oldest slot's event (counted in `waits`).
+
+    Why two slots (double buffering) are normally enough: step N's copies from slot A are
+    enqueued before step N's replay, on the same stream; slot A is next written at step N+2.
+    Whatever the host waits for of step N (its sampled tokens, read back before it schedules step
+    N+2, even where it schedules step N+1 while step N runs; the graph's previous replay, which
+    NPUGraph.update waits for) comes after the copies from A in stream order, so they have
+    completed. The event query checks this instead of assuming it: a host that runs further
+    ahead of the device gets more slots, never a buffer overwritten under a pending copy.
+    """
+
+    def __init__(self, slots: int = 2, max_slots: int = 4):
+        if not 1 <= slots <= max_slots:
+            raise ValueError(f"need 1 <= slots <= max_slots, got {slots}, {max_slots}")
+        self.max_slots = max_slots
+        self._slots: collections.deque[_StagingSlot] = collections.deque(_StagingSlot() for _ in range(slots))
+        """Least recently used first."""
+        self.waits = 0
+        """Steps that found every slot's copies pending, with max_slots slots, and waited."""
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def _take(self) -> _StagingSlot:
+        slot = self._slots[0]
+        if slot.event is None or slot.event.query():
+            self._slots.popleft()
+        elif len(self._slots) < self.max_slots:
+            slot = _StagingSlot()
+        else:  # the host is max_slots steps ahead of the device's copies: wait for the oldest
+            self.waits += 1
+            if self.waits == 1:
+                log.warning("pinned staging: the host ran %d steps ahead of the device's copies; waiting",
+                            self.max_slots)
+            slot.event.synchronize()
+            self._slots.popleft()
+        slot.event = None
+        return slot
+
+    @contextlib.contextmanager
+    def step(self):
+        """One step's copies (`copies.copy(key, target, source)`); on leaving, the event after
+        them is recorded on the current stream, and their slot goes last in line for reuse."""
+        copies = StagedCopies(self)
+        try:
+            yield copies
+        finally:
+            slot = copies.slot
+            if slot is not None:
+                if slot.event is not None:
+                    slot.event.record(getattr(torch, slot.device.type).current_stream(slot.device))
+                self._slots.append(slot)
 
 
 def host_placeholders(graph: fx.Graph) -> list[fx.Node]:
@@ -69,10 +210,20 @@ class HostFeed:
         if rows is None:
             tables = [n.meta["val"].shape[0] for n, i in zip(self.placeholders, self.inputs) if i.kind == "block_table"]
             rows = tables[0] if tables else 1 + max(i.index for i in self.inputs if i.kind in LENGTH_KINDS)
-        self.dcp_rank, self.rows = dcp_rank, rows
+        self.graph, self.dcp_rank, self.rows = graph, dcp_rank, rows
         self._buffers: dict[int, torch.Tensor] = {}
+        self._staging = PinnedStaging()
         self.fed: RankHostMetadata | None = None
         """The host metadata the inputs were last fed from."""
+        self.h2d_bytes = 0
+        """Bytes the last values() call copied host-to-device (the block tables)."""
+
+    def unread_inputs(self) -> frozenset[str]:
+        """The batch inputs (ForwardBatch field names) whose placeholders, marked
+        `meta[BATCH_INPUT]` by the lowering, have no users in the lowered graph: a graph runner
+        need not copy them before a replay. Unmarked placeholders are taken as read."""
+        return frozenset(n.meta[BATCH_INPUT] for n in self.graph.nodes
+                         if n.op == "placeholder" and BATCH_INPUT in n.meta and not n.users)
 
     def rank_view(self, host: HostMetadata | None) -> RankHostMetadata:
         if host is None:
@@ -97,32 +248,34 @@ class HostFeed:
         graph runner feeds every replay before it runs."""
         lengths = _lengths(host)
         values = []
-        for i, (node, host_input) in enumerate(zip(self.placeholders, self.inputs)):
-            if host_input.kind == "block_table":
-                values.append(self._table(i, node, host))
-            elif host_input.kind in lengths and host_input.index is None:  # every row's, as one device tensor
-                values.append(self._copied(i, node.meta["val"], torch.tensor(lengths[host_input.kind])))
-            elif host_input.kind in lengths:
-                values.append(lengths[host_input.kind][host_input.index])
-            else:
-                values.append(self.value(host_input, host, node.meta["val"]))
+        with self._staging.step() as copies:
+            for i, (node, host_input) in enumerate(zip(self.placeholders, self.inputs)):
+                if host_input.kind == "block_table":
+                    values.append(self._table(i, node, host, copies))
+                elif host_input.kind in lengths and host_input.index is None:  # every row's, as one device tensor
+                    values.append(self._copied(i, node.meta["val"], torch.tensor(lengths[host_input.kind]), copies))
+                elif host_input.kind in lengths:
+                    values.append(lengths[host_input.kind][host_input.index])
+                else:
+                    values.append(self.value(host_input, host, node.meta["val"]))
+        self.h2d_bytes = copies.h2d_bytes
         self.fed = host
         return values
 
-    def _table(self, i: int, node: fx.Node, host: RankHostMetadata) -> torch.Tensor:
+    def _table(self, i: int, node: fx.Node, host: RankHostMetadata, copies: StagedCopies) -> torch.Tensor:
         example = node.meta["val"]
         if host.block_table is None or tuple(host.block_table.shape) != tuple(example.shape):
             raise ValueError(f"the graph reads a {list(example.shape)} block table; host metadata has "
                              f"{None if host.block_table is None else list(host.block_table.shape)}")
-        return self._copied(i, example, host.block_table)
+        return self._copied(i, example, host.block_table, copies)
 
-    def _copied(self, i: int, example, host_tensor: torch.Tensor) -> torch.Tensor:
+    def _copied(self, i: int, example, host_tensor: torch.Tensor, copies: StagedCopies) -> torch.Tensor:
         """The device buffer of placeholder i (made once, never moved), with host_tensor copied in."""
         if i not in self._buffers:
             self._buffers[i] = torch.zeros(example.shape, dtype=example.dtype, device=example.device)
         buffer = self._buffers[i]
         if not devices.capturing(buffer.device):
-            buffer.copy_(host_tensor, non_blocking=True)
+            copies.copy(i, buffer, host_tensor)  # through pinned memory: no host sync
         return buffer
 
     def examples(self) -> list:

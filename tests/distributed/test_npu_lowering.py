@@ -7,8 +7,9 @@ carries a padded row (empty on every shard). The match tolerance is derived in
 dcp_compile/harness/scenario.half_precision_tolerance; greedy tokens must agree except at near-ties
 within that tolerance (none were flipped when this was written, see the closing figures).
 
-Off the hardware, the Triton kernels of the lowering (KV writes, gather-kv attention, window
-attention, pack and merge) run under the Triton interpreter: the contexts are kept short.
+The default kernels are native (npu_kernels='native': npu_scatter_pa_kv_cache and aten ops the
+device runs); one case runs npu_kernels='triton', whose kernels (KV writes, metadata, gather-kv
+attention, window attention, pack) run under the Triton interpreter off the hardware.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ CASES = [  # Scenario arguments: a Scenario on device="npu" needs the emulated d
          num_heads=12),
     # Extend: chunks of 37 (more than FIA's 16 queries) go through gather-kv, then FIA decode.
     dict(mode="extend", chunk=37, dcp_size=2, tp_size=2, batch=3, contexts=(1, 40, 60), steps=2, seed=16),
+    # The same with the Triton kernels (A2/A3 with a paired triton-ascend).
+    dict(mode="extend", chunk=37, dcp_size=2, tp_size=2, batch=3, contexts=(1, 40, 60), steps=2, seed=16,
+         options=(("npu_kernels", "triton"),)),
 ]
 if FULL:  # DCP 4: 4 ranks of the interpreter on 2 CI cores (about 70 s for one case, a spawn of its own).
     # In CI, DCP 4 runs on the torch path (test_dcp_equivalence.py, test_modes.py), npu_attention_update
@@ -52,7 +56,8 @@ GRAPH_CASES = [
 
 def case_id(case: dict) -> str:
     return (f"{case.get('mode', 'decode')}-k{case.get('draft_len', 1)}-tp{case['tp_size']}-dcp{case['dcp_size']}"
-            f"-I{case.get('interleave', 1)}" + ("-graphs" if case.get("graphs") else ""))
+            f"-I{case.get('interleave', 1)}" + ("-graphs" if case.get("graphs") else "")
+            + "".join(f"-{value}" for _, value in case.get("options", ())))
 
 
 def check_matches_dcp_size_one(scenario: Scenario, result: dict) -> None:
@@ -62,6 +67,9 @@ def check_matches_dcp_size_one(scenario: Scenario, result: dict) -> None:
     assert result["tokens_match"]
     assert sum(result["tokens_stored_per_dcp_rank"]) == result["tokens_total"]
     assert result["pass_summary"]["lower_npu_attention"] > 0
+    triton = dict(scenario.options).get("npu_kernels") == "triton"
+    assert result["pass_summary"].get("lower_native_kernels", 0) == 0 if triton else \
+        result["pass_summary"]["lower_native_kernels"] > 0
     # At most one compile per (batch shape, strategy), whatever the lengths did: FIA's graphs are
     # static per shape, the gather-kv ones symbolic (one serves several shapes).
     assert 0 < result["graphs_captured"] <= result["graph_keys"]

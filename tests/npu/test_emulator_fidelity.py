@@ -147,7 +147,7 @@ def test_soc_and_cann_versions_come_from_the_environment(monkeypatch, soc, numbe
     assert torch.npu.get_soc_version() == number
     assert torch.npu.utils.get_cann_version(module="CANN") == "8.3.RC1"
     monkeypatch.delenv("DCP_COMPILE_NPU_EMULATOR_CANN")
-    assert torch.npu.utils.get_cann_version() == "8.5.0"
+    assert torch.npu.utils.get_cann_version() == "9.0.0"
 
 
 def test_scatter_reduce_falls_back_on_ascend950(monkeypatch):

@@ -16,7 +16,7 @@ import dcp_compile
 from dcp_compile.debug import fake_capture
 from dcp_compile.lowering.base import Unsupported
 from dcp_compile.lowering.npu import native_ops
-from dcp_compile.lowering.npu.native import BATCH_INPUT
+from dcp_compile.runtime.host_inputs import BATCH_INPUT
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import PassManager
 from dcp_compile.models.config import preset

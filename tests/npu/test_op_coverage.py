@@ -184,9 +184,6 @@ def test_first_query_positions_match_the_scatter_definition(tokens, pad_to):
     assert reference.first_query_positions(empty, empty, 3).tolist() == [reference.NEVER_VISIBLE] * 3
 
 
-@pytest.mark.xfail(raises=CaptureError, strict=True,
-                   reason="GraphRunner.capture's template batch has KV lengths of 0, which the emulator now refuses "
-                          "in a capture (docs/ascend.md §17): the runner must capture with lengths >= 1")
 def test_a_lowered_decode_and_split_verify_step_run_every_op_on_the_device():
     """An NPU model (one MLA layer, npu_verify='split', the default) captured and replayed by a
     graph runner: no op of either graph runs on the host (the capture would raise), and neither do

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from dcp_compile.lowering.npu.lower_attention import fia_ops
+from dcp_compile.runtime import devices
 from dcp_compile.runtime.host_inputs import HOST_INPUT, HostFeed
 from dcp_compile.runtime.host_metadata import RankHostMetadata
+
+KV_LENGTH_KINDS = ("local_len", "local_prefix_len")
+"""The host length kinds FIA takes as KV lengths (`actual_seq_lengths_kv`, v2 `actual_seq_kvlen`)."""
 
 
 class FIAFeed(HostFeed):
     """FIA's lengths and block table for each step. An NPU graph bakes FIA's host lists into the
     tiling it captures: `graph_updates` gives them for `NPUGraph.update(cpu_update_input=...)`,
-    one dict per FIA call in graph order, keyed by FIA's argument names (docs/ascend.md §9.3)."""
+    one dict per FIA call in graph order, keyed by FIA's argument names (docs/ascend.md §9.3).
+
+    While the device captures, FIA is given KV lengths of at least 1: a graph runner captures on
+    a fully padded batch, whose lengths are all 0, and FIA's tiling depends on how the lengths
+    split (vllm-ascend captures with lengths >= 1). Every replay's update then sets the step's
+    real lengths, 0 for padded rows included; the masking of rows without keys reads device
+    tensors, not these lengths, so no result changes."""
 
     def __init__(self, gm: fx.GraphModule, dcp_rank: int):
         super().__init__(gm.graph, dcp_rank)
@@ -24,12 +35,23 @@ class FIAFeed(HostFeed):
         """Per FIA call, in order: {FIA argument: the host length kind it takes}."""
         self.rows_of_equal_queries = any("query_len" in call.values() for call in self.fia_args)
         """Whether its FIA calls take BSND verify rows (npu_verify='mask'): S = T / B queries each."""
+        examples = (n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder")
+        self.device = next((v.device for v in examples if isinstance(v, torch.Tensor) and v.device.type != "cpu"),
+                           torch.device("npu"))
+        """The device FIA runs on (whose capture values() checks for)."""
 
     def prepare(self, host: RankHostMetadata) -> None:
         if self.rows_of_equal_queries and len(set(host.query_lens)) > 1:
             raise ValueError(f"npu_verify='mask' lowered this graph for rows of equal query counts (a verify step, or "
                              f"padded rows of one); this batch has query counts {list(host.query_lens)}: use "
                              "npu_verify='split' for batches that mix them")
+
+    def values(self, host: RankHostMetadata) -> list:
+        values = super().values(host)
+        if not devices.capturing(self.device):
+            return values
+        return [max(1, value) if host_input.kind in KV_LENGTH_KINDS else value
+                for value, host_input in zip(values, self.inputs)]
 
     def graph_updates(self, host: RankHostMetadata) -> list[dict]:
         lists = {"local_len": list(host.local_seq_lens), "local_prefix_len": list(host.local_prefix_lens),

@@ -33,10 +33,9 @@ from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import call, fake_value, keeps_state, size_of
 from dcp_compile.runtime import layout
+from dcp_compile.runtime.host_inputs import BATCH_INPUT
 
 aten = torch.ops.aten
-BATCH_INPUT = "dcp_batch_input"
-"""Placeholder meta key: the ForwardBatch field a placeholder takes (runtime.host_inputs reads it)."""
 
 
 def _writes(graph: fx.Graph) -> dict[fx.Node, sites.KVWriteSite]:

@@ -10,7 +10,7 @@ instead of importing torch_npu; nothing else in the project knows the device is 
   and an op of another namespace without an npu kernel fails as on a device without one;
 - `torch.npu` (module.py): devices, streams, events, synchronize, the SoC and CANN version
   (`$DCP_COMPILE_NPU_EMULATOR_SOC`, default Ascend910B3; `$DCP_COMPILE_NPU_EMULATOR_CANN`, default
-  8.5.0), and NPU graphs (graphs.py): capture records the device work and runs none of it, replay
+  9.0.0), and NPU graphs (graphs.py): capture records the device work and runs none of it, replay
   runs exactly that with the host values of the capture, `update(cpu_update_input=...)` rewrites
   FIA's host lengths by argument name, one dict per recorded call, on torch_npu's shared update
   stream (`graph.graph_dispatch_mode.update_stream`). As on hardware: host traffic in a capture

@@ -9,7 +9,7 @@ remembers the replays it is ordered after. The host waits (`synchronize()`,
 `Stream.synchronize()`, `Event.synchronize()`) count as host syncs (npu_emulator.host_syncs()).
 
 The SoC and CANN version: `$DCP_COMPILE_NPU_EMULATOR_SOC` (default Ascend910B3, an Atlas A2) and
-`$DCP_COMPILE_NPU_EMULATOR_CANN` (default 8.5.0), read at each call.
+`$DCP_COMPILE_NPU_EMULATOR_CANN` (default 9.0.0), read at each call.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["Event", "NPUGraph", "Stream", "current_device", "current_stream", "d
            "set_device", "stream", "synchronize", "utils"]
 
 SOC_ENV, CANN_ENV = "DCP_COMPILE_NPU_EMULATOR_SOC", "DCP_COMPILE_NPU_EMULATOR_CANN"
-DEFAULT_SOC, DEFAULT_CANN = "Ascend910B3", "8.5.0"
+DEFAULT_SOC, DEFAULT_CANN = "Ascend910B3", "9.0.0"
 _SOC_NUMBERS = {name: number for first, names in (
     (100, ["Ascend910PremiumA", "Ascend910ProA", "Ascend910A", "Ascend910ProB", "Ascend910B"]),
     (200, ["Ascend310P1", "Ascend310P2", "Ascend310P3", "Ascend310P4", "Ascend310P5", "Ascend310P7"]),
