@@ -317,3 +317,31 @@ def test_scatter_pa_kv_cache_has_op_plugins_schema_and_traces():
         assert op(key_, value_, key_cache, value_cache, slots) is None
         with pytest.raises(ValueError, match="is not a PA_NZ cache"):  # the fake kernel checks shapes too
             op(key_, value_, value_cache, value_cache, slots)
+
+
+def test_a_process_group_collective_issued_in_a_capture_runs_at_every_replay(tmp_path):
+    """dist.all_to_all_single (not a functional collective) inside a capture: recorded as the HCCL
+    task it is on hardware, so each replay exchanges that step's data; with no split lists it is
+    HCCL's AlltoAll (the NPU back end's dcp_npu.all_to_all)."""
+    import torch.distributed as dist
+
+    from dcp_compile.lowering.npu import ops as npu_ops
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("hccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        x = torch.arange(8.0).view(1, 8).to("npu")
+        graph = torch.npu.NPUGraph()
+        with torch.npu.graph(graph):
+            y = npu_ops.ALL_TO_ALL(x * 2, dist.group.WORLD.group_name) + 1
+        assert "hccl.collective" in graph.recorded_ops
+        npu_emulator.reset_host_syncs()
+        for value in (5.0, 7.0):
+            x.copy_(torch.full((1, 8), value).pin_memory(), non_blocking=True)
+            graph.replay()
+            assert torch.equal(y.cpu(), torch.full((1, 8), 2 * value + 1))
+        assert npu_emulator.alltoallv_calls() == 0
+    finally:
+        if started:
+            dist.destroy_process_group()

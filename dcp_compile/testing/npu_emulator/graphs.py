@@ -146,7 +146,26 @@ def _check_host_traffic(func, args, kwargs) -> None:
 
 
 def _updatable(func) -> bool:
-    return func.namespace == "npu" and getattr(func, "_opname", "") in UPDATABLE
+    return getattr(func, "namespace", "") == "npu" and getattr(func, "_opname", "") in UPDATABLE
+
+
+def capturing_graph() -> "NPUGraph | None":
+    """The NPU graph this thread is capturing, if any."""
+    return getattr(_capturing, "graph", None)
+
+
+class _ProcessGroupCollective:
+    """A collective called through the emulated hccl process group during a capture (recorded
+    as the HCCL task a capture records on hardware)."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def __call__(self):
+        self.run()
+
+    def __str__(self) -> str:
+        return "hccl.collective"
 
 
 def _check_fia_capture_lengths(func, args, kwargs) -> None:
@@ -317,6 +336,10 @@ class NPUGraph:
                                      f"(it updates {list(allowed)})")
                 record.kwargs[name] = list(value)
         self._stale = []
+
+    def record_collective(self, run) -> None:
+        """Record a process-group collective issued during this capture (hccl.py)."""
+        self._records.append(_Recorded(_ProcessGroupCollective(run), (), {}, None))
 
     @property
     def recorded_ops(self) -> list[str]:

@@ -13,6 +13,8 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllT
                                         _create_work_from_future)
 from torch.futures import Future
 
+from dcp_compile.testing.npu_emulator import graphs
+
 NAME = "hccl"
 _alltoallv_calls = 0
 """all_to_all_single calls with explicit split lists since the last reset (npu_emulator.alltoallv_calls())."""
@@ -52,8 +54,16 @@ class EmulatedHCCL(dist.ProcessGroup):
         self._gloo = ProcessGroupGloo(store, rank, size, timeout)
         self._rank, self._size = rank, size
 
-    def _run(self, work, result):
-        work.wait()
+    def _run(self, start, result):
+        """Run the gloo collective `start()` starts and wait for it; inside an NPU graph capture,
+        record it instead, as the capture of an HCCL call records its task on the stream: a
+        collective called through the process group (dist.all_to_all_single, not a functional
+        collective, which the capture records as an op) then runs at every replay."""
+        graph = graphs.capturing_graph()
+        if graph is not None:
+            graph.record_collective(lambda: start().wait())
+        else:
+            start().wait()
         return _done(result)
 
     def size(self) -> int:
@@ -67,17 +77,17 @@ class EmulatedHCCL(dist.ProcessGroup):
         return dist.distributed_c10d._world.pg_names[self]
 
     def allreduce(self, tensors, opts=AllreduceOptions()):
-        return self._run(self._gloo.allreduce(_hosts(tensors), opts), tensors)
+        return self._run(lambda: self._gloo.allreduce(_hosts(tensors), opts), tensors)
 
     def allreduce_coalesced(self, tensors, opts=AllreduceOptions()):
         return self.allreduce(tensors, opts)
 
     def allgather(self, output_tensors, input_tensors, opts=AllgatherOptions()):
         outputs = [_hosts(group) for group in output_tensors]
-        return self._run(self._gloo.allgather(outputs, _hosts(input_tensors), opts), output_tensors)
+        return self._run(lambda: self._gloo.allgather(outputs, _hosts(input_tensors), opts), output_tensors)
 
     def _allgather_base(self, output, input, opts=AllgatherOptions()):
-        return self._run(self._gloo._allgather_base(_host(output), _host(input), opts), output)
+        return self._run(lambda: self._gloo._allgather_base(_host(output), _host(input), opts), output)
 
     all_gather_single = _allgather_base
 
@@ -95,26 +105,27 @@ class EmulatedHCCL(dist.ProcessGroup):
         if output_splits or input_splits:
             global _alltoallv_calls
             _alltoallv_calls += 1
-        return self._run(self._gloo.alltoall_base(_host(output), _host(input), output_splits, input_splits, opts), output)
+        return self._run(lambda: self._gloo.alltoall_base(_host(output), _host(input), output_splits, input_splits, opts),
+                         output)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=AllToAllOptions()):
         return self.alltoall_base(output, input, output_splits, input_splits, opts)
 
     def alltoall(self, output_tensors, input_tensors, opts=AllToAllOptions()):
-        return self._run(self._gloo.alltoall(_hosts(output_tensors), _hosts(input_tensors), opts), output_tensors)
+        return self._run(lambda: self._gloo.alltoall(_hosts(output_tensors), _hosts(input_tensors), opts), output_tensors)
 
     def broadcast(self, tensors, opts=BroadcastOptions()):
-        return self._run(self._gloo.broadcast(_hosts(tensors), opts), tensors)
+        return self._run(lambda: self._gloo.broadcast(_hosts(tensors), opts), tensors)
 
     def barrier(self, opts=BarrierOptions()):
-        return self._run(self._gloo.barrier(opts), [])
+        return self._run(lambda: self._gloo.barrier(opts), [])
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=ReduceScatterOptions()):
         inputs = [_hosts(group) for group in input_tensors]
-        return self._run(self._gloo.reduce_scatter(_hosts(output_tensors), inputs, opts), output_tensors)
+        return self._run(lambda: self._gloo.reduce_scatter(_hosts(output_tensors), inputs, opts), output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=ReduceScatterOptions()):
-        return self._run(self._gloo._reduce_scatter_base(_host(output), _host(input), opts), output)
+        return self._run(lambda: self._gloo._reduce_scatter_base(_host(output), _host(input), opts), output)
 
     reduce_scatter_single = _reduce_scatter_base
 
