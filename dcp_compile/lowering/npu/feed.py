@@ -50,7 +50,9 @@ class FIAFeed(HostFeed):
         values = super().values(host)
         if not devices.capturing(self.device):
             return values
-        return [max(1, value) if host_input.kind in KV_LENGTH_KINDS else value
+        # The host ints FIA takes only: the device tensor of every row's lengths (the native
+        # lowering's masks) keeps the true values.
+        return [max(1, value) if host_input.kind in KV_LENGTH_KINDS and host_input.index is not None else value
                 for value, host_input in zip(values, self.inputs)]
 
     def graph_updates(self, host: RankHostMetadata) -> list[dict]:
