@@ -244,6 +244,10 @@ class Driver:
         self.runners: dict[str, GraphRunner] | None = {} if scenario.graphs else None
         """Per strategy, the graph runner that replays this model's decode and verify steps."""
         self.replays = 0
+        self.replay_host_syncs: list[int] = []
+        """Per replay of an already captured graph, the host syncs it made (emulated npu only)."""
+        self.replay_h2d_bytes: list[int] = []
+        """Per such replay, the bytes the runner copied host-to-device."""
 
     def _step(self, requests, tokens, all_logits=False):
         if self.runners is not None and len({len(t) for t in tokens}) == 1 and len(tokens[0]) <= WINDOW_QUERIES:
@@ -266,7 +270,14 @@ class Driver:
                 self.model.compiled(decision.strategy), buckets=(1, 2, 4, 8, 16), debug=True,
                 graphs=device_graphs(torch.device(self.scenario.device, 0)), host_slot=state.host_slot,
                 watched=state.kv_pool.storage())
-        out = self.runners[decision.strategy](batch, tokens_per_row=len(tokens[0]))
+        runner = self.runners[decision.strategy]
+        replaying = (runner.bucket_for(batch.rows), len(tokens[0]), batch.req_to_token.shape[1]) in runner.captured
+        syncs = _host_syncs()
+        out = runner(batch, tokens_per_row=len(tokens[0]))
+        if replaying:
+            if syncs is not None:
+                self.replay_host_syncs.append(_host_syncs() - syncs)
+            self.replay_h2d_bytes.append(runner.h2d_bytes_last_step)
         self.model.check_errors()
         self.replays += 1
         state = api.state(self.model)
@@ -357,6 +368,7 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
     used = dcp.table.req_to_token[dcp.table.req_to_token != layout.PADDING_LOC].unique()
     owners = layout.owner(used, scenario.dcp_size, scenario.interleave)
     decision = state.last_decision
+    off_device = _ops_off_device()
     return {
         "rank": rank,
         "argmax_flips": argmax_flips(base.logits, dcp.logits),
@@ -372,6 +384,10 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         "pass_summary": state.pass_summary(),
         "graphs": len(state.reports),
         "graph_replays": dcp.replays,
+        "host_syncs_per_step": max(dcp.replay_host_syncs) if dcp.replay_host_syncs else None,
+        "h2d_bytes_per_step": max(dcp.replay_h2d_bytes) if dcp.replay_h2d_bytes else None,
+        "ops_off_device": None if off_device is None else sorted(off_device),
+        "npu_kernels": getattr(state.lowering.options, "npu_kernels", None),
         "device_graphs": sum(len(runner.captured) for runner in (dcp.runners or {}).values()),
         "graph_keys": len(dcp.graph_keys),
         "strategy_counts": dict(state.strategy_counts),
@@ -380,6 +396,24 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         "generated": dcp.generated,
         "seconds": time.perf_counter() - start,
     }
+
+
+def _host_syncs() -> int | None:
+    """The emulated npu's host-sync count (None elsewhere: nothing counts them on hardware)."""
+    if not emulated_npu():
+        return None
+    from dcp_compile.testing import npu_emulator
+
+    return npu_emulator.host_syncs()
+
+
+def _ops_off_device() -> dict[str, int] | None:
+    """The aten ops the emulated npu ran on the host this process (None elsewhere)."""
+    if not emulated_npu():
+        return None
+    from dcp_compile.testing import npu_emulator
+
+    return npu_emulator.ops_off_device()
 
 
 def argmax_flips(base_logits: list[torch.Tensor], dcp_logits: list[torch.Tensor]) -> list[float]:
@@ -487,6 +521,12 @@ def summarize(scenario: Scenario, ranks: list[dict]) -> dict:
         "device": scenario.device,
         "emulated": scenario.device == "npu" and emulated_npu(),
         "graph_replays": head["graph_replays"],
+        "npu_kernels": head["npu_kernels"],
+        "host_syncs_per_step": max((r["host_syncs_per_step"] for r in ranks if r["host_syncs_per_step"] is not None),
+                                   default=None),
+        "ops_off_device": sorted({op for r in ranks for op in (r["ops_off_device"] or ())})
+        if head["ops_off_device"] is not None else None,
+        "h2d_bytes_per_step": head["h2d_bytes_per_step"],
         "device_graphs_captured": head["device_graphs"],
         "graph_keys": head["graph_keys"],
         "strategy_counts": head["strategy_counts"],

@@ -245,17 +245,16 @@ class GraphRunner:
                 if name not in captured.unread:
                     self.h2d_last_step[name] = copies.copy(name, static, fresh[name])
 
-    def _check_inputs(self, captured: _Captured, fresh: dict[str, torch.Tensor]) -> None:
-        inputs = {name: fresh[name] if name in captured.unread else static
-                  for name, static in zip(BATCH_FIELDS, captured.inputs.args())}
-        if "req_to_token" in captured.unread:  # checked as the batch has it (the graph does not read it)
-            static = captured.inputs.req_to_token
-            table = torch.zeros(static.shape, dtype=static.dtype)
-            table[: fresh["req_to_token"].shape[0]] = fresh["req_to_token"].cpu()
-            inputs["req_to_token"] = table
-        inputs = {name: t.to(self.graphs.device) for name, t in inputs.items()}
-        torch.ops.dcp.check_metadata(inputs["req_to_token"], inputs["seq_lens"], inputs["q_seq_ids"],
-                                     inputs["positions"], inputs["out_loc"])
+    @staticmethod
+    def _check_inputs(captured: _Captured, fresh: dict[str, torch.Tensor]) -> None:
+        """The metadata check the graph's own debug checks cannot run inside a capture, on the
+        step's inputs as the static buffers get them, on the host (read back from the device, the
+        check would sync the host every replay). The page table's padded rows are zeros."""
+        rows = captured.inputs.req_to_token.shape[0]
+        table = fresh["req_to_token"].cpu()
+        table = torch.cat([table, table.new_zeros(rows - table.shape[0], table.shape[1])])
+        torch.ops.dcp.check_metadata(table, *(fresh[name].cpu() for name in ("seq_lens", "q_seq_ids", "positions",
+                                                                              "out_loc")))
 
     def capture(self, template: ForwardBatch, tokens_per_row: int) -> _Captured:
         """Capture the graph for template's bucket and page-table width. Verify graphs (more than
