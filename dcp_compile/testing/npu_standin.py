@@ -989,7 +989,7 @@ def _scatter_pa_kv_cache_kernel(key, value, key_cache, value_cache, slot_mapping
             target[blocks, offsets] = rows_in
         else:
             target = target.view(target.shape[0], -1, block_size, last)  # the 5-D form is the same bytes
-            target[blocks, :, offsets] = rows_in.reshape(rows_in.shape[0], -1, last)
+            target[blocks, :, offsets] = rows_in.reshape(rows_in.shape[0], target.shape[1], last)
 
 
 def _scatter_pa_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,

@@ -169,3 +169,18 @@ def test_guard_tokens_equals_guard_batch_and_flags_alike():
     flags.zero_()
     with pytest.raises(ValueError, match="padded row"):
         native_ops.GUARD_TOKENS(seq_lens, ids, bad_loc, table.shape[1])
+
+
+@pytest.mark.parametrize("kv_format", ["nd", "nz"])
+def test_a_kv_write_of_tokens_this_rank_does_not_own_writes_nothing(kv_format):
+    """Every slot -1 (a step whose tokens all live on other ranks, or padding only)."""
+    block, rows = 128, 256
+    latent_part, rope_part = torch.ones(rows, R, dtype=torch.bfloat16), torch.ones(rows, P, dtype=torch.bfloat16)
+    if kv_format == "nz":
+        latent_part, rope_part = nz.from_rows(latent_part, block), nz.from_rows(rope_part, block)
+    cache_latent, cache_rope = latent_part.to(NPU), rope_part.to(NPU)
+    slots = native_ops.SLOT_MAPPING(torch.tensor([0, 1, 3], device=NPU), rows, 0, 2, 1)
+    assert slots.cpu().tolist() == [-1, -1, -1]
+    native_ops.SCATTER_KV_CACHE(cache_latent, torch.zeros(3, R, dtype=torch.bfloat16, device=NPU),
+                                torch.zeros(3, P, dtype=torch.bfloat16, device=NPU), slots, block, cache_rope)
+    assert torch.equal(cache_latent.cpu(), latent_part) and torch.equal(cache_rope.cpu(), rope_part)
