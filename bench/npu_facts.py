@@ -233,16 +233,19 @@ GRAPH_KV_LENS, GRAPH_NEW_KV_LENS = [5, 130, 0], [7, 1, 64]
 """The decode lengths a captured FIA call is recorded with, and those the update pushes."""
 
 
-def _captured_decode(device, run, seed: int):
+def _captured_decode(device, run, seed: int, capture_lens=None, cache_lens=None):
     """(graph, (out, lse), q, q_rope, cache): `run(q, q_rope, cache, kv_lens)` captured in an NPU
-    graph after two warm-up calls, with GRAPH_KV_LENS."""
-    cache = paged_cache([max(a, b) for a, b in zip(GRAPH_KV_LENS, GRAPH_NEW_KV_LENS)], 128, device, seed=seed)
-    q, q_rope = queries(len(GRAPH_KV_LENS), HEADS, device, seed=seed + 1)
+    graph after two warm-up calls, with capture_lens (GRAPH_KV_LENS), over a cache for cache_lens
+    (the longer of GRAPH_KV_LENS and GRAPH_NEW_KV_LENS)."""
+    capture_lens = capture_lens or GRAPH_KV_LENS
+    cache_lens = cache_lens or [max(a, b) for a, b in zip(GRAPH_KV_LENS, GRAPH_NEW_KV_LENS)]
+    cache = paged_cache([max(a, b) for a, b in zip(capture_lens, cache_lens)], 128, device, seed=seed)
+    q, q_rope = queries(len(capture_lens), HEADS, device, seed=seed + 1)
     for _ in range(2):  # warm up
-        run(q, q_rope, cache, GRAPH_KV_LENS)
+        run(q, q_rope, cache, capture_lens)
     graph = torch.npu.NPUGraph()
     with torch.npu.graph(graph, auto_dispatch_capture=True):
-        outputs = run(q, q_rope, cache, GRAPH_KV_LENS)
+        outputs = run(q, q_rope, cache, capture_lens)
     return graph, outputs, q, q_rope, cache
 
 
@@ -513,6 +516,128 @@ def check_torchair_symint_lengths(fact: Fact, device) -> None:
     fact.status = "PASS" if compiles[0] <= 2 and max(diffs) <= 5e-2 else "FAIL"
 
 
+def check_scatter_pa_kv_cache(fact: Fact, device) -> None:
+    """npu_scatter_pa_kv_cache, the native KV write, against reference.kv_write: ND ('Norm') and NZ
+    ('PA_NZ') caches of 128-row blocks, a slot of -1 (another rank's token, or padding) skipped."""
+    from dcp_compile.lowering.npu import native_ops
+    from dcp_compile.ops import nz
+
+    generator = torch.Generator().manual_seed(31)
+    rows, block = 512, 128
+    loc = torch.tensor([0, 3, 130, 131, 257, 0, 300, 501])
+    latent = torch.randn(loc.shape[0], LATENT, generator=generator).bfloat16()
+    rope = torch.randn(loc.shape[0], ROPE, generator=generator).bfloat16()
+    matches = {}
+    for kv_format in ("nd", "nz"):
+        for rank in range(2):
+            want = [torch.randn(rows, dim, generator=generator).bfloat16() for dim in (LATENT, ROPE)]
+            if kv_format == "nz":
+                want = [nz.from_rows(part, block) for part in want]
+            got = [part.to(device) for part in want]
+            reference.kv_write(want[0], latent, rope, loc, rank, 2, 1, rope_cache=want[1])
+            slots = native_ops.SLOT_MAPPING(loc.to(device), rows, rank, 2, 1)
+            native_ops.SCATTER_KV_CACHE(got[0], latent.to(device), rope.to(device), slots, block, got[1])
+            matches[f"{kv_format}_rank{rank}"] = all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+    fact.measured = matches
+    fact.status = "PASS" if all(matches.values()) else "FAIL"
+
+
+def _native_step_replays(device, off_device_warnings: list) -> dict:
+    """A tiny-512 decode and split-verify step under npu_kernels='native' (dcp_size 1), captured by
+    a GraphRunner and replayed: the capture succeeds (every op is device work) and the replays
+    give the eager logits."""
+    import warnings
+
+    import dcp_compile
+    from dcp_compile.models.config import preset
+    from dcp_compile.models.mla import MLAModel
+    from dcp_compile.runtime.batch import RequestTable
+    from dcp_compile.runtime.graph_runner import GraphRunner, NPUGraphs
+
+    config = preset("tiny-512").with_layers(2)
+    model = dcp_compile.apply(MLAModel(config, 2048, max_requests=4, dtype=torch.bfloat16, page_size=128,
+                                       device=device), 1, kernels="npu")
+    eager = dcp_compile.apply(MLAModel(config, 2048, max_requests=4, dtype=torch.bfloat16, page_size=128,
+                                       device=device), 1, kernels="npu")
+    tables = [RequestTable(4, 512, 2048, 128) for _ in range(2)]
+    state = dcp_compile.state(model)
+    runner = GraphRunner(model.compiled("gather-q"), buckets=(4,), graphs=NPUGraphs(), host_slot=state.host_slot,
+                         watched=state.kv_pool.storage())
+    diffs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for table, target in zip(tables, (model, eager)):
+            prefill = table.extend_batch([0, 1, 2], [[3] * 15, [4] * 131, [5]], pad_rows=1)
+            target(*prefill.to(device).args(), host_metadata=prefill.host)
+        for step in range(3):
+            for tokens, per_row in (([[1 + step], [2], [3]], 1), ([[1] * 7, [2] * 7, [3] * 7], 7)):
+                batches = [table.extend_batch([0, 1, 2], tokens, all_logits=per_row > 1) for table in tables]
+                replayed = runner(batches[0], per_row)
+                want = eager(*batches[1].to(device).args(), host_metadata=batches[1].host)
+                diffs.append(float((replayed.float() - want.float()).abs().max()))
+    off_device_warnings.extend(str(w.message)[:160] for w in caught if "fall back" in str(w.message))
+    return {"max_abs_diff_logits": max(diffs), "graphs_captured": len(runner.captured)}
+
+
+def check_native_step_on_device(fact: Fact, device) -> None:
+    warned: list[str] = []
+    measured = _native_step_replays(device, warned)
+    if STANDIN:
+        from dcp_compile.testing import npu_emulator
+
+        warned.extend(sorted(npu_emulator.ops_off_device()))
+    fact.measured = {**measured, "ops_falling_back_to_the_cpu": warned}
+    fact.status = "PASS" if not warned and measured["max_abs_diff_logits"] <= 5e-2 else "FAIL"
+
+
+def _equal_all_to_all_in_a_graph(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from dcp_compile.lowering.npu import ops as npu_ops
+
+    device = torch.device("npu", rank)
+    y = torch.arange(world_size * 2, dtype=torch.float32, device=device).view(world_size, 2) + 100 * rank
+    npu_ops.ALL_TO_ALL(y, dist.group.WORLD.group_name)
+    torch.npu.synchronize()
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph):
+        exchanged = npu_ops.ALL_TO_ALL(y, dist.group.WORLD.group_name)
+    y.add_(1000.0)
+    graph.replay()
+    torch.npu.synchronize()
+    want = torch.stack([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) + 100 * r + 1000
+                        for r in range(world_size)])
+    return {"all_to_all_no_splits": bool(torch.equal(exchanged.cpu(), want))}
+
+
+def check_equal_all_to_all_in_graphs(fact: Fact, device) -> None:
+    if torch.npu.device_count() < 2:
+        fact.detail = "needs 2 NPUs"
+        return
+    from dcp_compile.runtime.launch import spawn
+
+    results = spawn(_equal_all_to_all_in_a_graph, 2, backend="hccl", timeout=120)
+    fact.measured = {f"rank{r}_{k}": v for r, result in enumerate(results) for k, v in result.items()}
+    fact.status = "PASS" if all(fact.measured.values()) else "FAIL"
+
+
+def check_capture_lengths_one(fact: Fact, device) -> None:
+    """FIA captured with every KV length 1, then updated to lengths with 0 and long ones: the replay
+    gives the updated lengths' attention (out 0 where a length is 0)."""
+    lengths = [0, 37, 5, 300]
+    graph, (out, lse), q, q_rope, cache = _captured_decode(device, fia, seed=41, capture_lens=[1, 1, 1, 1],
+                                                           cache_lens=lengths)
+    graph.update(cpu_update_input=[{"actual_seq_lengths_kv": lengths}])
+    graph.replay()
+    torch.npu.synchronize()
+    want_out, want_lse = fia_reference(q, q_rope, cache, lengths)
+    live = torch.tensor(lengths) > 0
+    ok, detail = _attention_matches((out.cpu()[live], lse.cpu()[live]), (want_out.cpu()[live], want_lse.cpu()[live]))
+    empty_out_zero = bool((out.cpu()[~live] == 0).all())
+    fact.measured = {**detail, "empty_row_out_zero": empty_out_zero}
+    fact.status = "PASS" if ok and empty_out_zero else "FAIL"
+
+
 FACTS = [
     ("empty-shard-lse", "FIA gives out 0 and lse +inf for a request with kv_len 0 (docs/ascend.md §7.2, inferred; the "
                         "lowering masks such rows by their lengths anyway)", check_empty_shard_lse),
@@ -541,6 +666,16 @@ FACTS = [
                       "(npu_verify='mask'; §15.3)", check_masked_verify),
     ("v2-graph-update-names", "NPUGraph.update refreshes a captured FIA v2 call's actual_seq_kvlen, by v2's name "
                               "(§9.3, §15.2)", check_v2_graph_update_names),
+    ("scatter-pa-kv-cache", "npu_scatter_pa_kv_cache writes ND ('Norm') and NZ ('PA_NZ') 4-D caches at the slots "
+                            "and skips a slot of -1 (npu_kernels='native''s KV write; §17)", check_scatter_pa_kv_cache),
+    ("native-step-on-device", "every op of a native decode and split-verify step runs on the NPU: no CPU fallback, "
+                              "the NPU-graph capture succeeds, the replays equal eager (§16, §17)",
+     check_native_step_on_device),
+    ("all-to-all-no-splits-in-graphs", "dist.all_to_all_single without split lists (HCCL's AlltoAll) replays inside "
+                                       "a captured NPU graph (dcp_npu.all_to_all; §10.1 #8)",
+     check_equal_all_to_all_in_graphs),
+    ("capture-lengths-one", "FIA captured with every KV length 1, updated to lengths with 0, gives the updated "
+                            "attention and out 0 for the empty rows (§17)", check_capture_lengths_one),
 ]
 
 

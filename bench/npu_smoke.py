@@ -10,7 +10,8 @@ On NPUs (torch_npu, CANN >= 8.5):
   - timing: one MLA decode attention layer at Kimi-K2 shapes (64 heads in all, TP = 2, R = 512,
     P = 64, bf16, FIA block size 128), DCP = 1 and DCP = 2 side by side, replayed from NPU graphs
     whose FIA lengths are refreshed before every replay; median step time, slowest rank;
-  - both for each of --combos, the lowering's A5 options side by side (KV format nd|nz, FIA
+  - both for each of --kernels (npu_kernels: native, the default, and triton, side by side, so
+    that a hardware owner sees which is faster) and each of --combos, the lowering's A5 options side by side (KV format nd|nz, FIA
     version 1|2, verify split|mask; docs/ascend.md §15): correctness of verify k = 7 per
     combination, the decode layer's time per (format, version).
 Its result (bench.lib.result's schema) holds the shapes, an attention_layer row per timed case
@@ -61,8 +62,14 @@ def parse_args(argv=None):
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--combos", default="nd:1:split,nd:2:mask,nz:1:split,nz:2:split,nz:2:mask",
                    help="npu_kv_format:fia_version:npu_verify combinations to check and time (apply's options)")
+    p.add_argument("--kernels", default="native,triton",
+                   help="npu_kernels values to check and time side by side (triton: A2/A3 with a paired "
+                        "triton-ascend; --standin: native only unless TRITON_INTERPRET=1)")
     p.add_argument("--standin", action="store_true", help="the emulated NPU and the stand-ins, tiny contexts")
     args = p.parse_args(argv)
+    args.kernels = [k for k in args.kernels.split(",") if k]
+    if args.standin and os.environ.get("TRITON_INTERPRET") != "1":
+        args.kernels = [k for k in args.kernels if k != "triton"]
     args.combos = [dict(zip(("npu_kv_format", "fia_version", "npu_verify"), (f, int(v), m)))
                    for f, v, m in (c.split(":") for c in args.combos.split(",") if c)]
     if args.standin:
@@ -82,10 +89,12 @@ A5_VERIFY = dict(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=4, con
 """Verify k = 7 with FIA blocks of 128 (NZ takes no other), run once per --combos entry."""
 
 
-def correctness(rank: int, world: int, device: str, combos: list[dict], standin: bool = False) -> list[dict]:
-    cases = [(arguments, {}) for arguments in CORRECTNESS] + [(A5_VERIFY, combo) for combo in combos]
+def correctness(rank: int, world: int, device: str, combos: list[dict], kernels: list[str],
+                standin: bool = False) -> list[dict]:
     if standin:  # the script is checked: one short decode case, and the last combination's verify
-        cases = [(CORRECTNESS[0], {}), (A5_VERIFY, combos[-1])] if combos else [(CORRECTNESS[0], {})]
+        combos = combos[-1:]
+    cases = [(arguments, {"npu_kernels": k}) for arguments in CORRECTNESS[: 1 if standin else None] for k in kernels]
+    cases += [(A5_VERIFY, {**combo, "npu_kernels": k}) for combo in combos for k in kernels]
     verdicts = []
     for arguments, combo in cases:
         if standin:
@@ -181,7 +190,7 @@ def run(rank: int, world: int, args) -> dict:
                              ranks=world)
     result["run"]["shapes"] = {"heads_total": args.heads, "tp_size": 2, "kv_lora_rank": 512, "rope_dim": 64,
                                "dtype": "torch.bfloat16", "block_size": args.block_size}
-    results.add(result, "correctness", *correctness(rank, world, "npu", args.combos, args.standin))
+    results.add(result, "correctness", *correctness(rank, world, "npu", args.combos, args.kernels, args.standin))
     results.add(result, "attention_layer", *[row for layout in _layouts(args) for n in (1, 2)
                                              for row in bench_attention_layer(args, n, device, tp, layout)])
     result["run"]["seconds"] = time.time() - started
@@ -194,7 +203,7 @@ def _layouts(args) -> list[dict]:
     pairs = list(dict.fromkeys((c["npu_kv_format"], c["fia_version"]) for c in args.combos)) or [("nd", 1)]
     if args.standin:
         pairs = pairs[-1:]
-    return [dict(npu_kv_format=f, fia_version=v) for f, v in pairs]
+    return [dict(npu_kv_format=f, fia_version=v, npu_kernels=k) for f, v in pairs for k in args.kernels]
 
 
 def _spawned(rank: int, world: int, args) -> dict:
