@@ -237,7 +237,7 @@ def _captured_decode(device, run, seed: int, capture_lens=None, cache_lens=None)
     """(graph, (out, lse), q, q_rope, cache): `run(q, q_rope, cache, kv_lens)` captured in an NPU
     graph after two warm-up calls, with capture_lens (GRAPH_KV_LENS), over a cache for cache_lens
     (the longer of GRAPH_KV_LENS and GRAPH_NEW_KV_LENS)."""
-    capture_lens = capture_lens or GRAPH_KV_LENS
+    capture_lens = capture_lens or [max(1, length) for length in GRAPH_KV_LENS]  # capture with >= 1 (§17)
     cache_lens = cache_lens or [max(a, b) for a, b in zip(GRAPH_KV_LENS, GRAPH_NEW_KV_LENS)]
     cache = paged_cache([max(a, b) for a, b in zip(capture_lens, cache_lens)], 128, device, seed=seed)
     q, q_rope = queries(len(capture_lens), HEADS, device, seed=seed + 1)
@@ -423,7 +423,7 @@ def check_graph_update_names(fact: Fact, device) -> None:
     backend.synchronize()
     ok, detail = _attention_matches((out, lse), fia_reference(q, q_rope, cache, new_lens))
     accepted = {"actual_seq_lengths_kv": ok}
-    query_lens, tnd_lens, tnd_new = [3, 1, 2], [5, 0, 40], [6, 2, 41]
+    query_lens, tnd_lens, tnd_new = [3, 1, 2], [5, 1, 40], [6, 0, 41]  # captured with lengths >= 1 (§17)
     tq, tq_rope = queries(sum(query_lens), HEADS, device, seed=15)
     graph = backend.NPUGraph()
     fia(tq, tq_rope, cache, tnd_lens, "TND", query_lens)

@@ -100,8 +100,8 @@ class StagedCopies:
         device (only the rows given cross to the device)."""
         rows = source.shape[0] if source.dim() and source.shape != target.shape else None
         head = target if rows is None else target[:rows]
-        if target.device.type == "cpu" or source.device.type != "cpu":
-            head.copy_(source, non_blocking=target.device.type != "cpu")
+        if target.device.type in ("cpu", "meta") or source.device.type != "cpu":  # meta: a shape-only graph's
+            head.copy_(source, non_blocking=target.device.type not in ("cpu", "meta"))
             copied = 0
         else:
             if self.slot is None:

@@ -29,13 +29,14 @@ def test_every_fact_passes_on_the_standins(tmp_path):
     code, result, stderr = _probe("--out", str(out))
     assert code == 0, stderr
     statuses = {fact["name"]: fact["status"] for fact in result["facts"]}
-    assert len(statuses) == 14 and result["failed"] == 0
+    assert len(statuses) == 18 and result["failed"] == 0
     assert statuses == {**{name: "PASS" for name in statuses}, "torchair-symint-lengths": "SKIP"}  # needs torch_npu
     assert results.rows(results.read(out), "facts") == result["facts"]
     facts = {fact["name"]: fact["measured"] for fact in result["facts"]}
     assert facts["empty-shard-lse"]["lse_kv_len_0"] == [float("inf")]
     assert facts["lse-base"]["matches_base_e"] and not facts["lse-base"]["matches_base_2"]
     assert facts["strided-keys"]["standin_copies_of_strided_views"] == ["key", "value", "key_rope"]
+    assert facts["native-step-on-device"]["ops_falling_back_to_the_cpu"] == []
     assert result["mode"] == "standin" and "| PASS" not in stderr and "FAIL" not in stderr
 
 
