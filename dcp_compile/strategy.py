@@ -68,6 +68,9 @@ def decide(config: DCPConfig, lowering: Lowering, batch: BatchFacts | None, mode
                                    "over the local shard, its (out, lse) exchanged, the merge")
     if strategy != "auto":
         return cost_model.Decision(strategy, True, {}, f"forced {strategy}")
+    if lowering.prefers_gather_q():
+        return cost_model.Decision("gather-q", True, {}, f"kernels={lowering.name!r} serves chunks of any length over "
+                                   "the pool (gather-q)")
     if batch is None or model.heads is None:
         return cost_model.Decision("gather-q", True, {}, "the model exposes no attention_metadata / num_local_heads")
     return cost_model.choose("auto", query_tokens=batch.query_tokens, rows=batch.rows, width=batch.width,

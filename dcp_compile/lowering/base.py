@@ -147,6 +147,11 @@ class Lowering:
         """Whether `window` limits the query tokens per request at this dcp_size."""
         return self.window is not None
 
+    def prefers_gather_q(self) -> bool:
+        """Whether the cost model's 'auto' is not asked: a lowering whose gather-kv attention is not
+        one to run (dense over gathered rows) serves every chunk in gather-q."""
+        return False
+
     def strategies(self, dcp_size: int) -> tuple[str, ...]:
         """The attention strategies compiled. At dcp_size 1 'gather-kv' names the graph without
         this lowering's windowed attention, for longer chunks."""

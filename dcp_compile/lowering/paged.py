@@ -88,6 +88,18 @@ class HostPlaceholders:
         """The rows' local prefix lengths as one device tensor [B] int64, fed each step."""
         return self.tensor("local_prefix_len", None, (self.rows,), torch.int64)
 
+    def pieces(self, count: int) -> dict[str, object]:
+        """The host inputs of a kernel that runs the batch as `count` pieces of at most
+        WINDOW_QUERIES queries of one row (RankHostMetadata.pieces; a feed pads a batch's pieces to
+        `count`): per piece its cumulative query count and local prefix length (host ints), and
+        as device tensors its row [P], the prefix lengths [P] and each token's piece [T]."""
+        return {"cumulative": self._ints("piece_cumulative_query_len",
+                                         [(p + 1) * self.tokens // count for p in range(count)]),
+                "prefix": self._ints("piece_prefix_len", [0] * count),
+                "rows": self.tensor("piece_row", None, (count,), torch.int64),
+                "prefix_tensor": self.tensor("piece_prefix_len", None, (count,), torch.int64),
+                "token_piece": self.tensor("token_piece", None, (self.tokens,), torch.int64)}
+
     def query_lens(self) -> list[fx.Node]:
         return self._ints("query_len", [self.tokens // self.rows] * self.rows)
 
@@ -149,13 +161,14 @@ WindowKernel = Callable[[fx.Graph, PoolAttention, fx.Node, fx.Node, fx.Node, fx.
 
 
 def lower_pool_attention(graph: fx.Graph, site: PoolAttention, kernel: PrefixKernel, split: bool, reader: str,
-                         window: WindowKernel = window_attention) -> None:
+                         window: WindowKernel = window_attention, any_chunk: bool = False) -> None:
     """Replace one attention over the pool by `kernel`, plus `window` attention where `split`
-    (verify and short extend rows); `reader` names the kernel in errors."""
+    (verify and short extend rows; any chunk where `any_chunk`: a kernel that cuts rows into
+    pieces of WINDOW_QUERIES queries itself); `reader` names the kernel in errors."""
     tokens = fake_value(site.q_latent).shape[0]
     rows, width = fake_value(site.req_to_token).shape
     decode = tokens == rows
-    if split and not decode and tokens > targets.WINDOW_QUERIES * rows:
+    if split and not decode and not any_chunk and tokens > targets.WINDOW_QUERIES * rows:
         raise ValueError(f"{reader} serves at most {targets.WINDOW_QUERIES} query tokens per request; this graph has {tokens} tokens "
                          f"over {rows} rows: longer chunks go through the gather-kv strategy")
     with graph.inserting_before(site.node):
@@ -174,6 +187,8 @@ class PagedAttentionPass(GraphPass):
 
     reader = ""
     """The kernel, as errors name it."""
+    any_chunk = False
+    """Whether its split serves rows of any query count (its kernel cuts them into pieces)."""
 
     def applies(self, config: PassConfig) -> bool:
         return config.attention_strategy == "gather-q"
@@ -221,5 +236,6 @@ class PagedAttentionPass(GraphPass):
 
             self.host = host
             for site in found:
-                lower_pool_attention(graph, site, kernel, self.split(config, site), self.reader, self.window)
+                lower_pool_attention(graph, site, kernel, self.split(config, site), self.reader, self.window,
+                                     self.any_chunk)
         return len(found) + self.finish(gm, config)

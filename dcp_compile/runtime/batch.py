@@ -321,7 +321,8 @@ class RequestTable:
             seq_lens=seq_lens,
             state_slots=state_slots,
             logits_index=torch.tensor(logits_index, dtype=torch.int64),
-            host=self._host_metadata(requests, [len(t) for t in tokens] + pad_tokens, prefix_lens, len(pad_tokens)),
+            host=self._host_metadata(requests, [len(t) for t in tokens] + pad_tokens, prefix_lens, len(pad_tokens),
+                                     out_loc, padded),
         )
 
     def _check_batch(self, requests: list[int], tokens: list[list[int]], pad_rows: int) -> None:
@@ -353,7 +354,7 @@ class RequestTable:
                 raise ValueError(f"request {request}'s token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def _host_metadata(self, requests: list[int], query_lens: list[int], prefix_lens: list[torch.Tensor],
-                       pad_rows: int) -> HostMetadata:
+                       pad_rows: int, out_loc: list[torch.Tensor], pad_tokens: int) -> HostMetadata:
         zeros = (0,) * pad_rows
         local = self.local_seq_lens[requests].T.tolist() if requests else [[] for _ in range(self.dcp_size)]
         prefix = torch.stack(prefix_lens).T.tolist() if requests else [[] for _ in range(self.dcp_size)]
@@ -361,7 +362,9 @@ class RequestTable:
         if self.block_tables is not None:
             tables = self.block_tables[:, requests]
             tables = torch.cat([tables, tables.new_zeros(self.dcp_size, pad_rows, tables.shape[2])], dim=1)
+        locations = torch.cat(out_loc) if out_loc else torch.zeros(0, dtype=torch.int64)
+        owners = layout.owner(locations, self.dcp_size, self.interleave).tolist() + [-1] * pad_tokens
         return HostMetadata(
             self.dcp_size, self.interleave, self.page_size, tuple(query_lens),
-            tuple(tuple(r) + zeros for r in local), tuple(tuple(r) + zeros for r in prefix), tables,
+            tuple(tuple(r) + zeros for r in local), tuple(tuple(r) + zeros for r in prefix), tables, tuple(owners),
         )

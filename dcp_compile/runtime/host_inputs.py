@@ -238,6 +238,11 @@ class HostFeed:
     def prepare(self, host: RankHostMetadata) -> None:
         """Host work before the graph runs or replays for this step (none by default)."""
 
+    def lists(self, host: RankHostMetadata) -> dict[str, list[int]]:
+        """Host lists of the lowering's own kinds, served as the generic ones are: an element by
+        index as a host int, or the whole list as one device tensor (index None)."""
+        return {}
+
     def value(self, host_input: HostInput, host: RankHostMetadata, example):
         """The value of an input of the lowering's own kind."""
         raise ValueError(f"no host value for {host_input} in {type(self).__name__}")
@@ -246,7 +251,7 @@ class HostFeed:
         """This step's value of every host-fed placeholder, in order. While a device graph is
         being captured, buffers are not copied into (a capture must record no host copy): the
         graph runner feeds every replay before it runs."""
-        lengths = _lengths(host)
+        lengths = {**_lengths(host), **self.lists(host)}
         values = []
         with self._staging.step() as copies:
             for i, (node, host_input) in enumerate(zip(self.placeholders, self.inputs)):

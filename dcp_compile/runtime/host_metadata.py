@@ -21,6 +21,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_compile.runtime import layout
 
+PIECE_QUERIES = 16
+"""Most query tokens of one row FIA's MLA path takes (docs/ascend.md §1.4): the size of a piece."""
+
+
 def block_table_width(max_context: int, page_size: int) -> int:
     """Local blocks a request can hold on one rank: at most one per logical page."""
     return -(-max_context // page_size)
@@ -39,10 +43,40 @@ class RankHostMetadata:
     block_table: torch.Tensor | None
     """[B, W] int32 local block ids in position order (host); None if pages are not block-aligned.
     Entries past a row's last used block are not read."""
+    query_owned: tuple[bool, ...] | None = None
+    """Per query token, whether this rank stores its KV (None: not known; then pieces() serves
+    rows of at most PIECE_QUERIES queries only)."""
 
     @property
     def cumulative_query_lens(self) -> list[int]:
         return list(itertools.accumulate(self.query_lens))
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """The batch's query tokens cut into pieces of at most PIECE_QUERIES consecutive tokens of
+        one row (a paged kernel that takes at most that many queries a row, FIA's MLA path, runs
+        each piece as a row): (row, first token, tokens) per piece, in token order."""
+        pieces, first = [], 0
+        for row, count in enumerate(self.query_lens):
+            pieces.extend((row, first + start, min(PIECE_QUERIES, count - start))
+                          for start in range(0, count, PIECE_QUERIES))
+            first += count
+        return pieces
+
+    def piece_prefix_lens(self) -> list[int]:
+        """Per piece, this rank's keys of its row before the piece's first query: the row's keys
+        before the step, and the step's earlier tokens of the row this rank stores."""
+        row_first = list(itertools.accumulate((0,) + self.query_lens[:-1]))
+        owned = None if self.query_owned is None else [0, *itertools.accumulate(map(int, self.query_owned))]
+        prefix = []
+        for row, first, _ in self.pieces():
+            before = 0
+            if first > row_first[row]:
+                if owned is None:
+                    raise ValueError(f"host metadata without query owners serves rows of at most {PIECE_QUERIES} "
+                                     f"queries; row {row} has {self.query_lens[row]}")
+                before = owned[first] - owned[row_first[row]]
+            prefix.append(self.local_prefix_lens[row] + before)
+        return prefix
 
 
 class StaleHostMetadataError(ValueError):
@@ -89,6 +123,9 @@ class HostMetadata:
     """[N][B]"""
     block_tables: torch.Tensor | None
     """[N, B, W] int32 on the host."""
+    query_owners: tuple[int, ...] | None = None
+    """Per query token, the rank that stores its KV (-1: a padding token, stored nowhere); None:
+    not known (RankHostMetadata.pieces serves short rows only then)."""
     serial: int = field(init=False, compare=False, repr=False)
     """This object's identity in batch bindings: a copy made with dataclasses.replace gets a new one."""
     _table_version: int = field(init=False, compare=False, repr=False)
@@ -161,7 +198,8 @@ class HostMetadata:
 
     def for_rank(self, rank: int) -> RankHostMetadata:
         table = self.block_tables[rank] if self.block_tables is not None else None
-        return RankHostMetadata(self.query_lens, self.local_seq_lens[rank], self.local_prefix_lens[rank], table)
+        owned = None if self.query_owners is None else tuple(owner == rank for owner in self.query_owners)
+        return RankHostMetadata(self.query_lens, self.local_seq_lens[rank], self.local_prefix_lens[rank], table, owned)
 
     @classmethod
     def empty_like(cls, host: "HostMetadata", width: int) -> "HostMetadata":
@@ -170,7 +208,7 @@ class HostMetadata:
         tables = None
         if host.block_tables is not None:
             tables = torch.zeros(host.dcp_size, 0, block_table_width(width, host.page_size), dtype=torch.int32)
-        return cls(host.dcp_size, host.interleave, host.page_size, (), empty, empty, tables)
+        return cls(host.dcp_size, host.interleave, host.page_size, (), empty, empty, tables, ())
 
     def padded(self, rows: int, tokens_per_row: int) -> "HostMetadata":
         """Grown to `rows` rows; padded rows have `tokens_per_row` queries and no key."""
@@ -184,7 +222,7 @@ class HostMetadata:
         return HostMetadata(
             self.dcp_size, self.interleave, self.page_size, self.query_lens + (tokens_per_row,) * extra,
             tuple(lens + zeros for lens in self.local_seq_lens), tuple(lens + zeros for lens in self.local_prefix_lens),
-            tables,
+            tables, None if self.query_owners is None else self.query_owners + (-1,) * (extra * tokens_per_row),
         )
 
     @classmethod
@@ -216,7 +254,15 @@ class HostMetadata:
             prefix_lens.append(tuple((valid & (positions < first_query[:, None])).sum(dim=1).tolist()))
             if tables is not None:
                 tables[rank] = _blocks_of(rows, lens, block_size, blocks)
-        host = cls(dcp_size, interleave, page_size, tuple(query_lens), tuple(local_lens), tuple(prefix_lens), tables)
+        row_start = torch.cumsum(torch.tensor([0] + query_lens[:-1]), 0)
+        if q_seq_ids.numel():
+            positions = first_query[q_seq_ids] + torch.arange(q_seq_ids.numel()) - row_start[q_seq_ids]
+            locations = req_to_token[q_seq_ids, positions.clamp(0, max(width - 1, 0))]
+            owners = torch.where(locations == layout.PADDING_LOC, -1, layout.owner(locations, dcp_size, interleave))
+        else:
+            owners = torch.zeros(0, dtype=torch.int64)
+        host = cls(dcp_size, interleave, page_size, tuple(query_lens), tuple(local_lens), tuple(prefix_lens), tables,
+                   tuple(owners.tolist()))
         return host.bind(req_to_token, seq_lens, q_seq_ids)
 
 

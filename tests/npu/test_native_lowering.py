@@ -57,13 +57,11 @@ def test_a_native_graph_holds_no_triton_op(case):
     ops = targets_of(gm)
     assert not any(op.startswith("dcp_triton") for op in ops), sorted(ops)
     assert "dcp_npu.scatter_kv_cache.default" in ops  # the KV write is npu_scatter_pa_kv_cache's
-    long_chunk = mode.get("chunk", 1) > 16
-    assert ("dcp_npu.partial_attention.default" in ops) == long_chunk
-    if not long_chunk:
-        assert any("npu_fused_infer_attention_score" in op for op in ops)
+    # Chunks of any length run FIA (over pieces of 16 queries), never the dense fallback
+    assert any("npu_fused_infer_attention_score" in op for op in ops) and "dcp_npu.partial_attention.default" not in ops
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if m.get("chunk", 1) <= 16], ids=lambda m: m["mode"] + m.get("npu_verify", ""))
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m["mode"] + str(m.get("chunk", "")) + m.get("npu_verify", ""))
 def test_the_page_table_is_not_read_on_the_device(mode):
     """FIA reads the KV through the host-fed block table and the window through the step's own
     tokens: req_to_token (64 MiB at 64 rows x 128k) need not reach the device."""
@@ -103,3 +101,15 @@ def test_the_slot_mapping_is_computed_once_per_graph():
     writes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is native_ops.SCATTER_KV_CACHE]
     assert len(slots) == 1 and len(writes) == preset("tiny-512").num_mla_layers
     assert all(w.args[3] is slots[0] for w in writes)
+
+
+@pytest.mark.parametrize("chunk, pieces", [(64, 14), (8, 4)])
+def test_a_split_graph_runs_fia_over_pieces_of_sixteen_queries(chunk, pieces):
+    """T = 3 rows x chunk tokens: FIA's TND call takes one length per piece, as many as a batch of
+    that shape can cut into (3 x 64 as 1 + 1 + 190 tokens: 14 pieces; 24 as 1 + 1 + 22: 4), its
+    block table one row per piece; a batch of fewer pieces pads with empty ones."""
+    gm = lowered(dict(mode="extend", chunk=chunk), FORMATS[0])
+    fia = next(n for n in gm.graph.nodes if n.op == "call_function" and "npu_fused_infer_attention_score" in str(n.target))
+    assert fia.kwargs["input_layout"] == "TND"
+    assert len(fia.kwargs["actual_seq_lengths"]) == len(fia.kwargs["actual_seq_lengths_kv"]) == pieces
+    assert fia.kwargs["block_table"].meta["val"].shape[0] == pieces

@@ -8,9 +8,9 @@ import torch.fx as fx
 from dcp_compile.lowering.npu.lower_attention import fia_ops
 from dcp_compile.runtime import devices
 from dcp_compile.runtime.host_inputs import HOST_INPUT, HostFeed
-from dcp_compile.runtime.host_metadata import RankHostMetadata
+from dcp_compile.runtime.host_metadata import PIECE_QUERIES, RankHostMetadata
 
-KV_LENGTH_KINDS = ("local_len", "local_prefix_len")
+KV_LENGTH_KINDS = ("local_len", "local_prefix_len", "piece_prefix_len")
 """The host length kinds FIA takes as KV lengths (`actual_seq_lengths_kv`, v2 `actual_seq_kvlen`)."""
 
 
@@ -35,6 +35,8 @@ class FIAFeed(HostFeed):
         """Per FIA call, in order: {FIA argument: the host length kind it takes}."""
         self.rows_of_equal_queries = any("query_len" in call.values() for call in self.fia_args)
         """Whether its FIA calls take BSND verify rows (npu_verify='mask'): S = T / B queries each."""
+        self.pieces = sum(1 for i in self.inputs if i.kind == "piece_cumulative_query_len")
+        """The pieces of its split FIA calls (lower_attention.max_pieces of the graph's shape; 0: none)."""
         examples = (n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder")
         self.device = next((v.device for v in examples if isinstance(v, torch.Tensor) and v.device.type != "cpu"),
                            torch.device("npu"))
@@ -45,6 +47,24 @@ class FIAFeed(HostFeed):
             raise ValueError(f"npu_verify='mask' lowered this graph for rows of equal query counts (a verify step, or "
                              f"padded rows of one); this batch has query counts {list(host.query_lens)}: use "
                              "npu_verify='split' for batches that mix them")
+
+    def lists(self, host: RankHostMetadata) -> dict[str, list[int]]:
+        """The pieces of the split FIA calls (RankHostMetadata.pieces), padded to the graph's count
+        with pieces of no query and no key (FIA's TND lengths may repeat: docs/ascend.md §1.6)."""
+        if not self.pieces:
+            return {}
+        pieces = host.pieces()
+        if len(pieces) > self.pieces:
+            raise ValueError(f"this batch cuts into {len(pieces)} pieces of <= {PIECE_QUERIES} queries; the graph was "
+                             f"lowered for {self.pieces}")
+        extra = self.pieces - len(pieces)
+        tokens = sum(host.query_lens)
+        token_piece = [piece for piece, (_, _, count) in enumerate(pieces) for _ in range(count)]
+        cumulative = [first + count for _, first, count in pieces]
+        return {"piece_cumulative_query_len": cumulative + [tokens] * extra,
+                "piece_prefix_len": host.piece_prefix_lens() + [0] * extra,
+                "piece_row": [row for row, _, _ in pieces] + [0] * extra,
+                "token_piece": token_piece}
 
     def values(self, host: RankHostMetadata) -> list:
         values = super().values(host)
@@ -57,5 +77,6 @@ class FIAFeed(HostFeed):
 
     def graph_updates(self, host: RankHostMetadata) -> list[dict]:
         lists = {"local_len": list(host.local_seq_lens), "local_prefix_len": list(host.local_prefix_lens),
-                 "cumulative_query_len": host.cumulative_query_lens, "query_len": list(host.query_lens)}
+                 "cumulative_query_len": host.cumulative_query_lens, "query_len": list(host.query_lens),
+                 **self.lists(host)}
         return [{argument: lists[kind] for argument, kind in call.items()} for call in self.fia_args]

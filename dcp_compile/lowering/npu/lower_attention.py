@@ -123,6 +123,12 @@ def padded_heads(heads: int) -> int:
     )
 
 
+def max_pieces(tokens: int, rows: int) -> int:
+    """The most pieces of at most WINDOW_QUERIES queries (RankHostMetadata.pieces) that `tokens`
+    query tokens over `rows` rows (each with one at least) cut into."""
+    return min(tokens, (tokens + (targets.WINDOW_QUERIES - 1) * rows) // targets.WINDOW_QUERIES)
+
+
 def masked_rows(tokens: int, rows: int) -> int | None:
     """Queries per row of a verify graph the masked scheme serves (T = B x S, 1 < S <= 16), else None."""
     if rows == 0 or tokens == rows or tokens % rows or tokens // rows > targets.WINDOW_QUERIES:
@@ -137,9 +143,19 @@ class LowerNPUAttention(paged.PagedAttentionPass):
     def __init__(self, options: NPUOptions = NPUOptions()):
         self.options = options
 
+    @property
+    def any_chunk(self) -> bool:
+        """Native: the split runs FIA over pieces of at most 16 queries of a row, so a chunk of any
+        length takes it (the Triton option sends chunks over 16 queries to gather-kv)."""
+        return self.options.npu_kernels == "native"
+
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         self.config = config
         return super().run(gm, config)
+
+    def _pieces(self, site) -> dict:
+        tokens, rows = fake_value(site.q_latent).shape[0], fake_value(site.req_to_token).shape[0]
+        return self.host.pieces(max_pieces(tokens, rows))
 
     def prepare(self, gm: fx.GraphModule) -> None:
         ensure_ops()
@@ -151,8 +167,8 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         if not self._native:
             return super().window(graph, site, out, lse, q_latent, q_rope, window)
         latent, rope, slots = native.step_tokens(graph, site.cache, self.config)
-        completed = call(graph, native_ops.STEP_WINDOW, out, lse, q_latent, q_rope, latent, rope, slots, site.q_seq_ids,
-                         site.q_positions, site.sm_scale, window)
+        completed = call(graph, native_ops.STEP_WINDOW, out, lse, q_latent, q_rope, latent, rope, slots,
+                         self._pieces(site)["token_piece"], site.q_positions, site.sm_scale, window)
         return call(graph, operator.getitem, completed, 0), call(graph, operator.getitem, completed, 1)
 
     def split(self, config: PassConfig, site: sites.PoolAttention) -> bool:
@@ -170,8 +186,9 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         if not decode and self.options.npu_verify == "mask" and not self._unmaskable(site):
             mask = self._mask(graph, site, host, block_size)
         counts = None if mask is not None else self._key_counts(graph, site, host, decode)
+        pieces = self._pieces(site) if self._native and not decode and mask is None else None
         return self._fia(graph, site, q_latent, q_rope, host, block_table, self._views[site.cache], block_size, decode,
-                         self.options.fia_version, mask, counts)
+                         self.options.fia_version, mask, counts, pieces)
 
     def _key_counts(self, graph, site, host: paged.HostPlaceholders, decode: bool) -> fx.Node:
         """Per query token, the keys its FIA call attends over (every local key of its row in decode,
@@ -182,9 +199,10 @@ class LowerNPUAttention(paged.PagedAttentionPass):
             positions = None if decode else paged.site_key_positions(graph, site)
             return call(graph, npu_ops.PREFIX_KEY_COUNTS, site.local_lens, positions, site.q_seq_ids, site.q_positions,
                         decode)
+        if not decode:  # its piece's keys before the piece
+            pieces = self._pieces(site)
+            return call(graph, aten.index_select.default, pieces["prefix_tensor"], 0, pieces["token_piece"])
         prefix = host.prefix_lens_tensor()
-        if not decode:
-            return call(graph, aten.index_select.default, prefix, 0, site.q_seq_ids)
         _, _, slots = native.step_tokens(graph, site.cache, self.config)
         return call(graph, native_ops.STEP_KEY_COUNTS, prefix, slots, site.q_seq_ids, site.q_positions, 1)
 
@@ -236,7 +254,8 @@ class LowerNPUAttention(paged.PagedAttentionPass):
 
     @staticmethod
     def _fia(graph, site, q_latent, q_rope, host: paged.HostPlaceholders, block_table, views, block_size: int,
-             decode: bool, version: int = 1, mask: tuple[fx.Node, fx.Node] | None = None, counts: fx.Node | None = None):
+             decode: bool, version: int = 1, mask: tuple[fx.Node, fx.Node] | None = None, counts: fx.Node | None = None,
+             pieces: dict | None = None):
         tokens, heads, rank_dim = fake_value(q_latent).shape
         rope_dim = fake_value(q_rope).shape[-1]
         rows = fake_value(site.req_to_token).shape[0]
@@ -260,6 +279,10 @@ class LowerNPUAttention(paged.PagedAttentionPass):
             if mask is not None:
                 lengths.update(actual_seq_lengths=host.query_lens(), atten_mask=mask[0])
             layout = "BSND"
+        elif pieces is not None:  # TND over pieces of <= 16 queries of a row, each over its keys before it
+            query, query_rope, layout = q_latent, q_rope, "TND"
+            lengths = dict(actual_seq_lengths=pieces["cumulative"], actual_seq_lengths_kv=pieces["prefix"])
+            common["block_table"] = call(graph, aten.index_select.default, block_table, 0, pieces["rows"])
         else:  # TND: split verify, over the keys before each row's first query
             query, query_rope, layout = q_latent, q_rope, "TND"
             lengths = dict(actual_seq_lengths=host.cumulative_query_lens(), actual_seq_lengths_kv=host.prefix_lens())

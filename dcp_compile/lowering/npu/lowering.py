@@ -95,6 +95,15 @@ class NPULowering(Lowering):
 
         return emulated_npu() and triton_kernels.available() and not triton_kernels.interpreted()
 
+    def windowed(self, dcp_size: int) -> bool:
+        """Native: FIA runs a chunk of any length as pieces of 16 queries (LowerNPUAttention)."""
+        return self.options.npu_kernels != "native"
+
+    def prefers_gather_q(self) -> bool:
+        """Native: its gather-kv attention (dcp_npu.partial_attention) is dense over the gathered rows,
+        where gather-q runs FIA over the pool."""
+        return self.options.npu_kernels == "native"
+
     def prepare(self, pool, config) -> None:
         if config.inner_compile == "torchair":
             require_torch_npu("inner_compile='torchair'")

@@ -77,7 +77,8 @@ def guard_tokens(seq_lens, q_seq_ids, out_loc, width: int):
 
 def _candidates(q_seq_ids, q_positions, slots, window: int):
     """[T, window] indices of the tokens up to `window` back from each token (itself last), and
-    which of them are this rank's keys the token sees: same row, at or before its position, owned."""
+    which of them are this rank's keys the token sees: same group (q_seq_ids: its row, or its
+    piece of a row), at or before its position, owned."""
     tokens = q_seq_ids.shape[0]
     offsets = torch.arange(window, device=q_seq_ids.device) - (window - 1)
     candidates = torch.arange(tokens, device=q_seq_ids.device)[:, None] + offsets[None, :]
@@ -111,7 +112,9 @@ def step_causal_mask(counts, rows: int, width: int):
 def step_window(out_prefix, lse_prefix, q_latent, q_rope, latent, rope, slots, q_seq_ids, q_positions,
                 sm_scale: float, window: int):
     """reference.window_attention over this step's own tokens instead of the page table: latent
-    [T, R] and rope [T, P] are the tokens' KV as the cache holds it (its dtype)."""
+    [T, R] and rope [T, P] are the tokens' KV as the cache holds it (its dtype). q_seq_ids groups
+    the tokens: a token sees the owned tokens of its group up to itself (its row's, or those of its
+    piece of <= `window` queries, whose earlier keys the prefix kernel saw)."""
     tokens, heads, rank_dim = q_latent.shape
     index, seen = _candidates(q_seq_ids, q_positions, slots, window)
     flat = index.reshape(-1)
