@@ -272,11 +272,11 @@ class Driver:
                 watched=state.kv_pool.storage())
         runner = self.runners[decision.strategy]
         replaying = (runner.bucket_for(batch.rows), len(tokens[0]), batch.req_to_token.shape[1]) in runner.captured
-        syncs = _host_syncs()
+        syncs = _host_syncs(self.scenario.device)
         out = runner(batch, tokens_per_row=len(tokens[0]))
         if replaying:
             if syncs is not None:
-                self.replay_host_syncs.append(_host_syncs() - syncs)
+                self.replay_host_syncs.append(_host_syncs(self.scenario.device) - syncs)
             self.replay_h2d_bytes.append(runner.h2d_bytes_last_step)
         self.model.check_errors()
         self.replays += 1
@@ -368,7 +368,7 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
     used = dcp.table.req_to_token[dcp.table.req_to_token != layout.PADDING_LOC].unique()
     owners = layout.owner(used, scenario.dcp_size, scenario.interleave)
     decision = state.last_decision
-    off_device = _ops_off_device()
+    off_device = _ops_off_device(scenario.device)
     return {
         "rank": rank,
         "argmax_flips": argmax_flips(base.logits, dcp.logits),
@@ -398,18 +398,18 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
     }
 
 
-def _host_syncs() -> int | None:
+def _host_syncs(device: str) -> int | None:
     """The emulated npu's host-sync count (None elsewhere: nothing counts them on hardware)."""
-    if not emulated_npu():
+    if device != "npu" or not emulated_npu():
         return None
     from dcp_compile.testing import npu_emulator
 
     return npu_emulator.host_syncs()
 
 
-def _ops_off_device() -> dict[str, int] | None:
+def _ops_off_device(device: str) -> dict[str, int] | None:
     """The aten ops the emulated npu ran on the host this process (None elsewhere)."""
-    if not emulated_npu():
+    if device != "npu" or not emulated_npu():
         return None
     from dcp_compile.testing import npu_emulator
 

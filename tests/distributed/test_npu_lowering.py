@@ -85,8 +85,9 @@ def test_npu_lowering_matches_dcp_size_one(case, npu_scenario_results):
     result = npu_scenario_results[scenario]
     check_matches_dcp_size_one(scenario, result)
     assert result["graph_replays"] == 0
-    if scenario.mode == "extend":
-        assert result["strategy_counts"]["gather-kv"] >= 1
+    if scenario.mode == "extend":  # chunks over 16 queries: FIA over pieces (native), gather-kv (triton)
+        triton = dict(scenario.options).get("npu_kernels") == "triton"
+        assert result["strategy_counts"].get("gather-kv", 0) >= 1 if triton else "gather-kv" not in result["strategy_counts"]
 
 
 @pytest.mark.parametrize("case", GRAPH_CASES, ids=case_id)

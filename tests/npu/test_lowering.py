@@ -24,7 +24,7 @@ from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import PassManager
 from dcp_compile.passes.base import PassConfig
 from dcp_compile.lowering.npu.feed import FIAFeed
-from dcp_compile.lowering.npu.lower_attention import fia_block_size, padded_heads
+from dcp_compile.lowering.npu.lower_attention import fia_block_size, max_pieces, padded_heads
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.host_inputs import HOST_INPUT, HostInput
 from dcp_compile.harness.scenario import half_precision_tolerance
@@ -53,7 +53,7 @@ def fia_nodes(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is FIA]
 
 
-@pytest.mark.parametrize("mode, layout, host_lens", [("decode", "BSND", "local_len"), ("verify", "TND", "local_prefix_len")])
+@pytest.mark.parametrize("mode, layout, host_lens", [("decode", "BSND", "local_len"), ("verify", "TND", "piece_prefix_len")])
 def test_fia_node_arguments(mode, layout, host_lens):
     gm, spec = lowered_graph(mode, dcp_size=2, tp_size=2, batch=3, context=40, draft_len=7)
     nodes = fia_nodes(gm)
@@ -63,10 +63,12 @@ def test_fia_node_arguments(mode, layout, host_lens):
         assert kw["num_heads"] == 8  # 4 TP-local heads x dcp_size 2
         assert kw["num_key_value_heads"] == 1 and kw["sparse_mode"] == 0 and kw["softmax_lse_flag"] is True
         assert kw["input_layout"] == layout and kw["block_size"] == 16
-        assert kw["block_table"].meta[HOST_INPUT] == HostInput("block_table")
-        assert [n.meta[HOST_INPUT] for n in kw["actual_seq_lengths_kv"]] == [HostInput(host_lens, b) for b in range(3)]
-        if layout == "TND":
-            assert [n.meta[HOST_INPUT].kind for n in kw["actual_seq_lengths"]] == ["cumulative_query_len"] * 3
+        table = kw["block_table"] if layout == "BSND" else kw["block_table"].args[0]  # TND: a row per piece
+        assert table.meta[HOST_INPUT] == HostInput("block_table")
+        rows = 3 if layout == "BSND" else max_pieces(node.args[0].meta["val"].shape[0], 3)
+        assert [n.meta[HOST_INPUT] for n in kw["actual_seq_lengths_kv"]] == [HostInput(host_lens, b) for b in range(rows)]
+        if layout == "TND":  # pieces of <= 16 queries of a row (native)
+            assert [n.meta[HOST_INPUT].kind for n in kw["actual_seq_lengths"]] == ["piece_cumulative_query_len"] * rows
         assert node.args[1] is node.args[2]  # value is the latent cache itself
         key, key_rope = node.args[1].meta["val"], node.kwargs["key_rope"].meta["val"]
         assert key.shape[1:] == (16, 512) and key_rope.shape[1:] == (16, 64) and key.shape[0] == key_rope.shape[0]
@@ -176,8 +178,8 @@ def test_lowered_decode_verify_and_long_chunks_match_the_reference():
     for k in (16, 7, 1):
         pair.step([[1] * k, [2] * k, [3] * k], all_logits=True)  # verify
         pair.truncate(0, int(pair.tables[0].seq_lens[0]) - k + 1)  # reject drafts
-    strategies = dcp_compile.state(pair.models[1]).strategy_counts
-    assert strategies["gather-kv"] == 1 and strategies["gather-q"] == 7
+    strategies = dcp_compile.state(pair.models[1]).strategy_counts  # native: FIA serves the 20-token row too
+    assert strategies["gather-q"] == 8 and strategies.get("gather-kv", 0) == 0
     assert dcp_compile.state(pair.models[1]).pass_summary()["lower_npu_attention"] > 0
 
 
