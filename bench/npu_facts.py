@@ -416,7 +416,7 @@ def check_strided_keys(fact: Fact, device) -> None:
 
 def check_graph_update_names(fact: Fact, device) -> None:
     backend = torch.npu
-    kv_lens, new_lens = GRAPH_KV_LENS, GRAPH_NEW_KV_LENS
+    new_lens = GRAPH_NEW_KV_LENS
     graph, (out, lse), q, q_rope, cache = _captured_decode(device, fia, seed=13)
     graph.update(cpu_update_input=[{"actual_seq_lengths_kv": new_lens}])
     graph.replay()

@@ -6,7 +6,6 @@ ops: test_native_ops.py; end to end against dcp_size 1: tests/distributed/test_n
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
