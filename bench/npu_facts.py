@@ -474,15 +474,20 @@ def _collectives_in_a_graph(rank: int, world_size: int) -> dict:
             "all_to_all": bool(torch.equal(exchanged.cpu(), want_exchanged))}
 
 
-def check_hccl_in_graphs(fact: Fact, device) -> None:
+def _on_two_ranks(fact: Fact, check) -> None:
+    """`check(rank, world_size) -> {name: bool}` on 2 HCCL ranks: PASS where every value holds."""
     if torch.npu.device_count() < 2:
         fact.detail = "needs 2 NPUs"
         return
     from dcp_compile.runtime.launch import spawn
 
-    results = spawn(_collectives_in_a_graph, 2, backend="hccl", timeout=120)
+    results = spawn(check, 2, backend="hccl", timeout=120)
     fact.measured = {f"rank{r}_{k}": v for r, result in enumerate(results) for k, v in result.items()}
     fact.status = "PASS" if all(fact.measured.values()) else "FAIL"
+
+
+def check_hccl_in_graphs(fact: Fact, device) -> None:
+    _on_two_ranks(fact, _collectives_in_a_graph)
 
 
 def check_torchair_symint_lengths(fact: Fact, device) -> None:
@@ -611,14 +616,7 @@ def _equal_all_to_all_in_a_graph(rank: int, world_size: int) -> dict:
 
 
 def check_equal_all_to_all_in_graphs(fact: Fact, device) -> None:
-    if torch.npu.device_count() < 2:
-        fact.detail = "needs 2 NPUs"
-        return
-    from dcp_compile.runtime.launch import spawn
-
-    results = spawn(_equal_all_to_all_in_a_graph, 2, backend="hccl", timeout=120)
-    fact.measured = {f"rank{r}_{k}": v for r, result in enumerate(results) for k, v in result.items()}
-    fact.status = "PASS" if all(fact.measured.values()) else "FAIL"
+    _on_two_ranks(fact, _equal_all_to_all_in_a_graph)
 
 
 def check_capture_lengths_one(fact: Fact, device) -> None:
