@@ -670,7 +670,7 @@ FACTS = [
                               "the NPU-graph capture succeeds, the replays equal eager (§16, §17)",
      check_native_step_on_device),
     ("all-to-all-no-splits-in-graphs", "dist.all_to_all_single without split lists (HCCL's AlltoAll) replays inside "
-                                       "a captured NPU graph (dcp_npu.all_to_all; §10.1 #8)",
+                                       "a captured NPU graph (dcp_npu.all_to_all; §17, §19)",
      check_equal_all_to_all_in_graphs),
     ("capture-lengths-one", "FIA captured with every KV length 1, updated to lengths with 0, gives the updated "
                             "attention and out 0 for the empty rows (§17)", check_capture_lengths_one),

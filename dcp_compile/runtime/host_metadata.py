@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dcp_compile.runtime import layout
 
 PIECE_QUERIES = 16
-"""Most query tokens of one row FIA's MLA path takes (docs/ascend.md §1.4): the size of a piece."""
+"""Most query tokens of one row FIA's MLA path takes (docs/ascend.md §4.3): the size of a piece."""
 
 
 def block_table_width(max_context: int, page_size: int) -> int:

@@ -112,3 +112,8 @@ def test_a_split_graph_runs_fia_over_pieces_of_sixteen_queries(chunk, pieces):
     assert fia.kwargs["input_layout"] == "TND"
     assert len(fia.kwargs["actual_seq_lengths"]) == len(fia.kwargs["actual_seq_lengths_kv"]) == pieces
     assert fia.kwargs["block_table"].meta["val"].shape[0] == pieces
+
+
+def test_a_step_of_more_pieces_than_fia_takes_is_refused():
+    with pytest.raises(ValueError, match="at most 4096"):
+        lowered(dict(mode="extend", chunk=30000), FORMATS[0])

@@ -105,3 +105,18 @@ def test_a_capture_sees_lengths_of_at_least_one_and_a_replay_after_update_matche
     padded = tables[1].extend_batch(requests, drafts, all_logits=True).padded(4, 3)
     expected = eager(*padded.to(NPU).args(), host_metadata=padded.host)[:9]
     assert torch.equal(out.cpu(), expected.cpu())
+
+
+def test_a_host_block_table_past_the_shard_is_refused_before_fia_reads_it():
+    """The native lowering reads the KV through the host-fed block table alone: every step, replays
+    included, checks its ids against the shard FIA reads."""
+    from tests.npu.test_lowering import lowered_graph
+
+    gm, _ = lowered_graph("decode", dcp_size=2, tp_size=2, batch=3, context=40)
+    feed = FIAFeed(gm, 0)
+    assert feed.pool_blocks is not None
+    table = torch.zeros(3, 2, dtype=torch.int32)
+    feed.prepare(RankHostMetadata((1, 1, 1), (1, 1, 1), (0, 0, 0), table))
+    table[1, 0] = feed.pool_blocks
+    with pytest.raises(IndexError, match="past the pool"):
+        feed.prepare(RankHostMetadata((1, 1, 1), (1, 1, 1), (0, 0, 0), table))

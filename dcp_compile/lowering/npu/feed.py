@@ -35,6 +35,10 @@ class FIAFeed(HostFeed):
         """Per FIA call, in order: {FIA argument: the host length kind it takes}."""
         self.rows_of_equal_queries = any("query_len" in call.values() for call in self.fia_args)
         """Whether its FIA calls take BSND verify rows (npu_verify='mask'): S = T / B queries each."""
+        fia_keys = [node.args[1].meta["val"] for node in gm.graph.nodes
+                    if node.op == "call_function" and node.target in fia_ops()]
+        self.pool_blocks = min((key.shape[0] for key in fia_keys), default=None)
+        """The local blocks of the KV shard FIA reads: a block id of the host table must be below it."""
         self.pieces = sum(1 for i in self.inputs if i.kind == "piece_cumulative_query_len")
         """The pieces of its split FIA calls (lower_attention.max_pieces of the graph's shape; 0: none)."""
         examples = (n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder")
@@ -43,6 +47,13 @@ class FIAFeed(HostFeed):
         """The device FIA runs on (whose capture values() checks for)."""
 
     def prepare(self, host: RankHostMetadata) -> None:
+        # FIA reads the KV through this table alone (the native lowering reads no page table on
+        # the device): a block past the shard would be read on hardware, so every step is checked
+        # here, replays included (the model's own check runs only when it is called).
+        table = host.block_table
+        if self.pool_blocks is not None and table is not None and table.numel() and int(table.max()) >= self.pool_blocks:
+            raise IndexError(f"the host block table names local block {int(table.max())}, but the KV shard FIA reads "
+                             f"holds {self.pool_blocks} blocks: the request table hands out locations past the pool")
         if self.rows_of_equal_queries and len(set(host.query_lens)) > 1:
             raise ValueError(f"npu_verify='mask' lowered this graph for rows of equal query counts (a verify step, or "
                              f"padded rows of one); this batch has query counts {list(host.query_lens)}: use "
@@ -50,7 +61,7 @@ class FIAFeed(HostFeed):
 
     def lists(self, host: RankHostMetadata) -> dict[str, list[int]]:
         """The pieces of the split FIA calls (RankHostMetadata.pieces), padded to the graph's count
-        with pieces of no query and no key (FIA's TND lengths may repeat: docs/ascend.md §1.6)."""
+        with pieces of no query and no key (FIA's TND lengths may repeat: docs/ascend.md §5.3)."""
         if not self.pieces:
             return {}
         pieces = host.pieces()

@@ -65,6 +65,7 @@ FIA_BLOCK_SIZES = {  # docs/ascend.md §4.5: CANN's tiling checks for ND MLA pag
 }
 DEFAULT_BLOCK_SIZE = 128  # both engines' (docs/ascend.md §4.5)
 MAX_UPDATE_SHARDS = 16  # npu_attention_update: at most 16 inputs (docs/ascend.md §8.3)
+MAX_TND_REQUESTS = 4096  # FIA's TND lengths: at most 4096 requests (docs/ascend.md §5.3)
 
 
 # FIA v1 argument -> its v2 name (docs/ascend.md §1.3).
@@ -155,7 +156,12 @@ class LowerNPUAttention(paged.PagedAttentionPass):
 
     def _pieces(self, site) -> dict:
         tokens, rows = fake_value(site.q_latent).shape[0], fake_value(site.req_to_token).shape[0]
-        return self.host.pieces(max_pieces(tokens, rows))
+        count = max_pieces(tokens, rows)
+        if count > MAX_TND_REQUESTS:
+            raise ValueError(f"a step of {tokens} query tokens over {rows} rows cuts into up to {count} pieces of "
+                             f"{targets.WINDOW_QUERIES} queries, and FIA's TND layout takes at most {MAX_TND_REQUESTS} "
+                             "(docs/ascend.md §5.3): prefill in chunks of fewer tokens a step")
+        return self.host.pieces(count)
 
     def prepare(self, gm: fx.GraphModule) -> None:
         ensure_ops()

@@ -10,7 +10,7 @@ aten ops (the emulated one included); docs/ascend.md cites the facts they serve.
 - `split_partials`: the exchanged partials as npu_attention_update's inputs;
 - `all_to_all`: the exchange of equal slices with no split lists, which ProcessGroupHCCL runs as
   HcclAlltoAll; explicit splits (the functional collective always passes them) take its AlltoAllV
-  path (torch_npu ProcessGroupHCCL.cpp alltoall_base, docs/ascend.md §10.1 #8), which no engine's
+  path (torch_npu ProcessGroupHCCL.cpp alltoall_base, docs/ascend.md §17, §19), which no engine's
   DCP uses. vllm-ascend calls dist.all_to_all_single without splits, as this does.
 """
 
