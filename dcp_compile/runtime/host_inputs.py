@@ -42,6 +42,9 @@ log = logging.getLogger("dcp_compile.runtime")
 HOST_INPUT = "dcp_host_input"
 """Placeholder meta key: the HostInput a host-fed placeholder takes."""
 
+CAPTURE_SKIPPED = "dcp_capture_skipped"
+"""Node meta key: a node that does nothing while a device graph is captured (a debug check that
+reads the device), so a replay runs nothing of it."""
 BATCH_INPUT = "dcp_batch_input"
 """Placeholder meta key: the ForwardBatch field (e.g. "req_to_token") a batch-input placeholder of
 a lowered graph takes, set by the lowering on the placeholders it knows. `HostFeed.unread_inputs`
@@ -220,10 +223,13 @@ class HostFeed:
 
     def unread_inputs(self) -> frozenset[str]:
         """The batch inputs (ForwardBatch field names) whose placeholders, marked
-        `meta[BATCH_INPUT]` by the lowering, have no users in the lowered graph: a graph runner
-        need not copy them before a replay. Unmarked placeholders are taken as read."""
+        `meta[BATCH_INPUT]` by the lowering, no node of a replayed graph reads: none but the
+        debug checks marked `meta[CAPTURE_SKIPPED]` (they read the device only outside a capture,
+        so a captured graph holds nothing of them). A graph runner need not copy them before a
+        replay. Unmarked placeholders are taken as read."""
         return frozenset(n.meta[BATCH_INPUT] for n in self.graph.nodes
-                         if n.op == "placeholder" and BATCH_INPUT in n.meta and not n.users)
+                         if n.op == "placeholder" and BATCH_INPUT in n.meta
+                         and all(user.meta.get(CAPTURE_SKIPPED) for user in n.users))
 
     def rank_view(self, host: HostMetadata | None) -> RankHostMetadata:
         if host is None:

@@ -15,7 +15,7 @@ import dcp_compile
 from dcp_compile.debug import fake_capture
 from dcp_compile.lowering.base import Unsupported
 from dcp_compile.lowering.npu import native_ops
-from dcp_compile.runtime.host_inputs import BATCH_INPUT
+from dcp_compile.runtime.host_inputs import BATCH_INPUT, CAPTURE_SKIPPED
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import PassManager
 from dcp_compile.models.config import preset
@@ -26,11 +26,11 @@ MODES = [dict(mode="decode"), dict(mode="verify", draft_len=7), dict(mode="verif
 FORMATS = [dict(npu_kv_format="nd", fia_version=1), dict(npu_kv_format="nz", fia_version=2)]
 
 
-def lowered(mode: dict, options: dict, dcp_size: int = 2):
+def lowered(mode: dict, options: dict, dcp_size: int = 2, debug_checks: bool = False):
     fields = {k: v for k, v in mode.items() if k != "npu_verify"}
     options = {**options, **({"npu_verify": mode["npu_verify"]} if "npu_verify" in mode else {})}
     spec = fake_capture.GraphSpec(model="tiny-512", kernels="npu", block_size=128, dcp_size=dcp_size, tp_size=dcp_size,
-                                  batch=3, context=300, options=options, **fields)
+                                  batch=3, context=300, options=options, debug_checks=debug_checks, **fields)
     captured = fake_capture.capture(spec)
     PassManager(captured.pass_config(), passes=captured.passes()).run(captured.gm)
     return captured.gm
@@ -60,13 +60,16 @@ def test_a_native_graph_holds_no_triton_op(case):
     assert any("npu_fused_infer_attention_score" in op for op in ops) and "dcp_npu.partial_attention.default" not in ops
 
 
+@pytest.mark.parametrize("debug_checks", [False, True], ids=["default", "debug-checks"])
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m["mode"] + str(m.get("chunk", "")) + m.get("npu_verify", ""))
-def test_the_page_table_is_not_read_on_the_device(mode):
+def test_the_page_table_is_not_read_on_the_device(mode, debug_checks):
     """FIA reads the KV through the host-fed block table and the window through the step's own
-    tokens: req_to_token (64 MiB at 64 rows x 128k) need not reach the device."""
-    gm = lowered(mode, FORMATS[0])
+    tokens: req_to_token (64 MiB at 64 rows x 128k) need not reach the device. The debug checks
+    read it, outside captures only: a replayed graph holds nothing of them."""
+    gm = lowered(mode, FORMATS[0], debug_checks=debug_checks)
     tagged = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(BATCH_INPUT) == "req_to_token"]
-    assert len(tagged) == 1 and not tagged[0].users
+    assert len(tagged) == 1 and all(user.meta.get(CAPTURE_SKIPPED) for user in tagged[0].users)
+    assert bool(tagged[0].users) == debug_checks
     assert "dcp.guard_batch.default" not in targets_of(gm) and "dcp_npu.guard_tokens.default" in targets_of(gm)
 
 

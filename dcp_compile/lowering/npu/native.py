@@ -33,9 +33,11 @@ from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import call, fake_value, keeps_state, size_of
 from dcp_compile.runtime import layout
-from dcp_compile.runtime.host_inputs import BATCH_INPUT
+from dcp_compile.runtime.host_inputs import BATCH_INPUT, CAPTURE_SKIPPED
 
 aten = torch.ops.aten
+DEBUG_CHECKS = (targets.CHECK_METADATA, targets.CHECK_HOST_METADATA, targets.CHECK_LOCATIONS)
+"""The debug checks: each reads the device, and does nothing while a device graph is captured."""
 
 
 def _writes(graph: fx.Graph) -> dict[fx.Node, sites.KVWriteSite]:
@@ -135,12 +137,22 @@ class LowerNativeKernels(GraphPass):
 
     @staticmethod
     def _guards(graph: fx.Graph) -> int:
-        """A batch guard whose guarded page table nothing reads checks the rows and tokens only."""
+        """A batch guard whose guarded page table nothing reads but the debug checks checks the rows
+        and tokens only; the debug checks read the batch's own table (they run outside captures
+        only, so a replayed graph reads no page table even in debug mode)."""
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in DEBUG_CHECKS:
+                node.meta[CAPTURE_SKIPPED] = True
         lowered = 0
         for guard in [n for n in graph.nodes if n.op == "call_function" and n.target is targets.GUARD_BATCH]:
             req_to_token, seq_lens, q_seq_ids, out_loc = guard.args[:4]
             if req_to_token.op == "placeholder":
                 req_to_token.meta[BATCH_INPUT] = "req_to_token"
+            for table in [user for user in guard.users if user.args[1] == 0]:
+                for check in [user for user in table.users if user.meta.get(CAPTURE_SKIPPED)]:
+                    check.replace_input_with(table, req_to_token)
+                if not table.users:
+                    graph.erase_node(table)
             outputs = {user.args[1]: user for user in guard.users}
             if 0 in outputs or not isinstance(out_loc, fx.Node):
                 continue
