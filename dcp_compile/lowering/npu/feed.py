@@ -36,7 +36,7 @@ class FIAFeed(HostFeed):
         self.rows_of_equal_queries = any("query_len" in call.values() for call in self.fia_args)
         """Whether its FIA calls take BSND verify rows (npu_verify='mask'): S = T / B queries each."""
         fia_keys = [node.args[1].meta["val"] for node in gm.graph.nodes
-                    if node.op == "call_function" and node.target in fia_ops()]
+                    if node.op == "call_function" and node.target in fia_ops() and len(node.args) > 1]
         self.pool_blocks = min((key.shape[0] for key in fia_keys), default=None)
         """The local blocks of the KV shard FIA reads: a block id of the host table must be below it."""
         self.pieces = sum(1 for i in self.inputs if i.kind == "piece_cumulative_query_len")
