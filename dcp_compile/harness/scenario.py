@@ -245,7 +245,7 @@ class Driver:
         """Per strategy, the graph runner that replays this model's decode and verify steps."""
         self.replays = 0
         self.replay_host_syncs: list[int] = []
-        """Per replay of an already captured graph, the host syncs it made (emulated npu only)."""
+        """Per replay of an already captured graph, the host syncs it made (where the back end's device counts them)."""
         self.replay_h2d_bytes: list[int] = []
         """Per such replay, the bytes the runner copied host-to-device."""
 
@@ -272,11 +272,12 @@ class Driver:
                 watched=state.kv_pool.storage())
         runner = self.runners[decision.strategy]
         replaying = (runner.bucket_for(batch.rows), len(tokens[0]), batch.req_to_token.shape[1]) in runner.captured
-        syncs = _host_syncs(self.scenario.device)
+        lowering = api.state(self.model).lowering
+        syncs = _host_syncs(lowering)
         out = runner(batch, tokens_per_row=len(tokens[0]))
         if replaying:
             if syncs is not None:
-                self.replay_host_syncs.append(_host_syncs(self.scenario.device) - syncs)
+                self.replay_host_syncs.append(_host_syncs(lowering) - syncs)
             self.replay_h2d_bytes.append(runner.h2d_bytes_last_step)
         self.model.check_errors()
         self.replays += 1
@@ -368,7 +369,7 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
     used = dcp.table.req_to_token[dcp.table.req_to_token != layout.PADDING_LOC].unique()
     owners = layout.owner(used, scenario.dcp_size, scenario.interleave)
     decision = state.last_decision
-    off_device = _ops_off_device(scenario.device)
+    counters = state.lowering.device_counters()
     return {
         "rank": rank,
         "argmax_flips": argmax_flips(base.logits, dcp.logits),
@@ -386,8 +387,8 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         "graph_replays": dcp.replays,
         "host_syncs_per_step": max(dcp.replay_host_syncs) if dcp.replay_host_syncs else None,
         "h2d_bytes_per_step": max(dcp.replay_h2d_bytes) if dcp.replay_h2d_bytes else None,
-        "ops_off_device": None if off_device is None else sorted(off_device),
-        "npu_kernels": getattr(state.lowering.options, "npu_kernels", None),
+        "ops_off_device": None if counters is None else sorted(counters["ops_off_device"]),
+        "backend_options": state.lowering.options_report(),
         "device_graphs": sum(len(runner.captured) for runner in (dcp.runners or {}).values()),
         "graph_keys": len(dcp.graph_keys),
         "strategy_counts": dict(state.strategy_counts),
@@ -398,22 +399,9 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
     }
 
 
-def _host_syncs(device: str) -> int | None:
-    """The emulated npu's host-sync count (None elsewhere: nothing counts them on hardware)."""
-    if device != "npu" or not emulated_npu():
-        return None
-    from dcp_compile.testing import npu_emulator
-
-    return npu_emulator.host_syncs()
-
-
-def _ops_off_device(device: str) -> dict[str, int] | None:
-    """The aten ops the emulated npu ran on the host this process (None elsewhere)."""
-    if device != "npu" or not emulated_npu():
-        return None
-    from dcp_compile.testing import npu_emulator
-
-    return npu_emulator.ops_off_device()
+def _host_syncs(lowering) -> int | None:
+    counters = lowering.device_counters()
+    return None if counters is None else counters["host_syncs"]
 
 
 def argmax_flips(base_logits: list[torch.Tensor], dcp_logits: list[torch.Tensor]) -> list[float]:
@@ -521,7 +509,7 @@ def summarize(scenario: Scenario, ranks: list[dict]) -> dict:
         "device": scenario.device,
         "emulated": scenario.device == "npu" and emulated_npu(),
         "graph_replays": head["graph_replays"],
-        "npu_kernels": head["npu_kernels"],
+        **head["backend_options"],
         "host_syncs_per_step": max((r["host_syncs_per_step"] for r in ranks if r["host_syncs_per_step"] is not None),
                                    default=None),
         "ops_off_device": sorted({op for r in ranks for op in (r["ops_off_device"] or ())})

@@ -139,6 +139,15 @@ class Lowering:
         """fuse_projections='auto': whether fusing the projections pays on this pool."""
         return False
 
+    def options_report(self) -> dict:
+        """Its option values by name, for a run's report (the demo's JSON)."""
+        return {field.name: getattr(self.options, field.name) for field in dataclasses.fields(self.options)}
+
+    def device_counters(self) -> dict | None:
+        """What its device counted in this process, where something counts it (an emulated device):
+        {"host_syncs": int, "ops_off_device": {op: calls}}; None elsewhere."""
+        return None
+
     def passes(self) -> list:
         """Its lowering passes (passes.base.GraphPass), in order."""
         return []

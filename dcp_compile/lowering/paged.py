@@ -90,7 +90,7 @@ class HostPlaceholders:
 
     def pieces(self, count: int) -> dict[str, object]:
         """The host inputs of a kernel that runs the batch as `count` pieces of at most
-        WINDOW_QUERIES queries of one row (RankHostMetadata.pieces; a feed pads a batch's pieces to
+        WINDOW_QUERIES queries of one row (lowering/npu/pieces.py; a feed pads a batch's pieces to
         `count`): per piece its cumulative query count and local prefix length (host ints), and
         as device tensors its row [P], the prefix lengths [P] and each token's piece [T]."""
         return {"cumulative": self._ints("piece_cumulative_query_len",

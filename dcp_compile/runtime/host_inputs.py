@@ -125,9 +125,9 @@ class StagedCopies:
 class PinnedStaging:
     """Host-to-device copies into fixed device buffers with no host sync.
 
-    A copy from pageable host memory syncs the host with the stream: torch_npu copies it
-    non-blocking and then synchronises the stream (Ascend/pytorch CopyKernel.cpp:134-140), CUDA
-    copies it through a staging buffer of its own and waits. A copy from pinned memory is a DMA
+    A copy from pageable host memory syncs the host with the stream (the device copies it through
+    a staging buffer of its own and waits, or synchronises the stream after it: docs/ascend.md
+    §17). A copy from pinned memory is a DMA
     that the stream runs in its turn. So every copy goes through a pinned staging buffer: the host
     writes the step's value into it (a memcpy), then enqueues `target.copy_(staging,
     non_blocking=True)`.
@@ -143,7 +143,7 @@ class PinnedStaging:
     enqueued before step N's replay, on the same stream; slot A is next written at step N+2.
     Whatever the host waits for of step N (its sampled tokens, read back before it schedules step
     N+2, even where it schedules step N+1 while step N runs; the graph's previous replay, which
-    NPUGraph.update waits for) comes after the copies from A in stream order, so they have
+    a graph update waits for) comes after the copies from A in stream order, so they have
     completed. The event query checks this instead of assuming it: a host that runs further
     ahead of the device gets more slots, never a buffer overwritten under a pending copy.
     """

@@ -21,10 +21,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dcp_compile.runtime import layout
 
-PIECE_QUERIES = 16
-"""Most query tokens of one row FIA's MLA path takes (docs/ascend.md §4.3): the size of a piece."""
-
-
 def block_table_width(max_context: int, page_size: int) -> int:
     """Local blocks a request can hold on one rank: at most one per logical page."""
     return -(-max_context // page_size)
@@ -44,39 +40,11 @@ class RankHostMetadata:
     """[B, W] int32 local block ids in position order (host); None if pages are not block-aligned.
     Entries past a row's last used block are not read."""
     query_owned: tuple[bool, ...] | None = None
-    """Per query token, whether this rank stores its KV (None: not known; then pieces() serves
-    rows of at most PIECE_QUERIES queries only)."""
+    """Per query token, whether this rank stores its KV (None: not known)."""
 
     @property
     def cumulative_query_lens(self) -> list[int]:
         return list(itertools.accumulate(self.query_lens))
-
-    def pieces(self) -> list[tuple[int, int, int]]:
-        """The batch's query tokens cut into pieces of at most PIECE_QUERIES consecutive tokens of
-        one row (a paged kernel that takes at most that many queries a row, FIA's MLA path, runs
-        each piece as a row): (row, first token, tokens) per piece, in token order."""
-        pieces, first = [], 0
-        for row, count in enumerate(self.query_lens):
-            pieces.extend((row, first + start, min(PIECE_QUERIES, count - start))
-                          for start in range(0, count, PIECE_QUERIES))
-            first += count
-        return pieces
-
-    def piece_prefix_lens(self) -> list[int]:
-        """Per piece, this rank's keys of its row before the piece's first query: the row's keys
-        before the step, and the step's earlier tokens of the row this rank stores."""
-        row_first = list(itertools.accumulate((0,) + self.query_lens[:-1]))
-        owned = None if self.query_owned is None else [0, *itertools.accumulate(map(int, self.query_owned))]
-        prefix = []
-        for row, first, _ in self.pieces():
-            before = 0
-            if first > row_first[row]:
-                if owned is None:
-                    raise ValueError(f"host metadata without query owners serves rows of at most {PIECE_QUERIES} "
-                                     f"queries; row {row} has {self.query_lens[row]}")
-                before = owned[first] - owned[row_first[row]]
-            prefix.append(self.local_prefix_lens[row] + before)
-        return prefix
 
 
 class StaleHostMetadataError(ValueError):
@@ -125,7 +93,7 @@ class HostMetadata:
     """[N, B, W] int32 on the host."""
     query_owners: tuple[int, ...] | None = None
     """Per query token, the rank that stores its KV (-1: a padding token, stored nowhere); None:
-    not known (RankHostMetadata.pieces serves short rows only then)."""
+    not known."""
     serial: int = field(init=False, compare=False, repr=False)
     """This object's identity in batch bindings: a copy made with dataclasses.replace gets a new one."""
     _table_version: int = field(init=False, compare=False, repr=False)

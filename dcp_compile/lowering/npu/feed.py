@@ -8,7 +8,9 @@ import torch.fx as fx
 from dcp_compile.lowering.npu.lower_attention import fia_ops
 from dcp_compile.runtime import devices
 from dcp_compile.runtime.host_inputs import HOST_INPUT, HostFeed
-from dcp_compile.runtime.host_metadata import PIECE_QUERIES, RankHostMetadata
+from dcp_compile.lowering.npu import pieces as batch_pieces
+from dcp_compile.ops.targets import WINDOW_QUERIES
+from dcp_compile.runtime.host_metadata import RankHostMetadata
 
 KV_LENGTH_KINDS = ("local_len", "local_prefix_len", "piece_prefix_len")
 """The host length kinds FIA takes as KV lengths (`actual_seq_lengths_kv`, v2 `actual_seq_kvlen`)."""
@@ -60,20 +62,20 @@ class FIAFeed(HostFeed):
                              "npu_verify='split' for batches that mix them")
 
     def lists(self, host: RankHostMetadata) -> dict[str, list[int]]:
-        """The pieces of the split FIA calls (RankHostMetadata.pieces), padded to the graph's count
+        """The pieces of the split FIA calls (pieces.py), padded to the graph's count
         with pieces of no query and no key (FIA's TND lengths may repeat: docs/ascend.md §5.3)."""
         if not self.pieces:
             return {}
-        pieces = host.pieces()
+        pieces = batch_pieces.pieces(host)
         if len(pieces) > self.pieces:
-            raise ValueError(f"this batch cuts into {len(pieces)} pieces of <= {PIECE_QUERIES} queries; the graph was "
+            raise ValueError(f"this batch cuts into {len(pieces)} pieces of <= {WINDOW_QUERIES} queries; the graph was "
                              f"lowered for {self.pieces}")
         extra = self.pieces - len(pieces)
         tokens = sum(host.query_lens)
         token_piece = [piece for piece, (_, _, count) in enumerate(pieces) for _ in range(count)]
         cumulative = [first + count for _, first, count in pieces]
         return {"piece_cumulative_query_len": cumulative + [tokens] * extra,
-                "piece_prefix_len": host.piece_prefix_lens() + [0] * extra,
+                "piece_prefix_len": batch_pieces.piece_prefix_lens(host) + [0] * extra,
                 "piece_row": [row for row, _, _ in pieces] + [0] * extra,
                 "token_piece": token_piece}
 

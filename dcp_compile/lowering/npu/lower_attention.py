@@ -125,7 +125,7 @@ def padded_heads(heads: int) -> int:
 
 
 def max_pieces(tokens: int, rows: int) -> int:
-    """The most pieces of at most WINDOW_QUERIES queries (RankHostMetadata.pieces) that `tokens`
+    """The most pieces of at most WINDOW_QUERIES queries (pieces.py) that `tokens`
     query tokens over `rows` rows (each with one at least) cut into."""
     return min(tokens, (tokens + (targets.WINDOW_QUERIES - 1) * rows) // targets.WINDOW_QUERIES)
 

@@ -95,6 +95,16 @@ class NPULowering(Lowering):
 
         return emulated_npu() and triton_kernels.available() and not triton_kernels.interpreted()
 
+    def device_counters(self) -> dict | None:
+        """The emulated npu's counts (dcp_compile.testing.npu_emulator); nothing counts them on hardware."""
+        from dcp_compile.runtime.devices import emulated_npu
+
+        if not emulated_npu():
+            return None
+        from dcp_compile.testing import npu_emulator
+
+        return {"host_syncs": npu_emulator.host_syncs(), "ops_off_device": npu_emulator.ops_off_device()}
+
     def windowed(self, dcp_size: int) -> bool:
         """Native: FIA runs a chunk of any length as pieces of 16 queries (LowerNPUAttention)."""
         return self.options.npu_kernels != "native"

@@ -1,4 +1,4 @@
-"""Host metadata cut into pieces of at most 16 queries of a row (RankHostMetadata.pieces), the rows
+"""Host metadata cut into pieces of at most 16 queries of a row (lowering/npu/pieces.py), the rows
 FIA's MLA path runs for chunks of any length: each piece's local prefix length against the rank's
 local view of the page table, on RequestTable's batches and on from_tensors alike, with mixed
 chunk lengths, ranks owning none of a piece, and padded rows."""
@@ -10,7 +10,9 @@ import torch
 
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.batch import RequestTable
-from dcp_compile.runtime.host_metadata import PIECE_QUERIES, HostMetadata
+from dcp_compile.lowering.npu.pieces import piece_prefix_lens, pieces
+from dcp_compile.ops.targets import WINDOW_QUERIES as PIECE_QUERIES
+from dcp_compile.runtime.host_metadata import HostMetadata
 
 
 def _expected(batch, rank, dcp_size, interleave):
@@ -30,13 +32,13 @@ def test_piece_prefix_lengths_equal_the_local_view(dcp_size, interleave, page):
     table = RequestTable(4, 512, 4096, page, dcp_size=dcp_size, interleave=interleave)
     table.extend_batch([0, 1], [[1] * 5, [2] * 33])
     batch = table.extend_batch([0, 1, 2], [[3] * 40, [4] * 7, [5] * 17], pad_rows=2)
-    assert [count for _, _, count in batch.host.for_rank(0).pieces()] == [16, 16, 8, 7, 16, 1, 1, 1]
+    assert [count for _, _, count in pieces(batch.host.for_rank(0))] == [16, 16, 8, 7, 16, 1, 1, 1]
     rebuilt = HostMetadata.from_tensors(batch.req_to_token, batch.seq_lens, batch.q_seq_ids, dcp_size, interleave, page)
     assert rebuilt.query_owners == batch.host.query_owners
     for rank in range(dcp_size):
         expected = _expected(batch, rank, dcp_size, interleave)
-        assert batch.host.for_rank(rank).piece_prefix_lens() == expected
-        assert rebuilt.for_rank(rank).piece_prefix_lens() == expected
+        assert piece_prefix_lens(batch.host.for_rank(rank)) == expected
+        assert piece_prefix_lens(rebuilt.for_rank(rank)) == expected
 
 
 def test_padding_keeps_the_owners_aligned_with_the_tokens():
@@ -44,7 +46,7 @@ def test_padding_keeps_the_owners_aligned_with_the_tokens():
     batch = table.extend_batch([0], [[1] * 20])
     padded = batch.host.padded(3, 4)
     assert len(padded.query_owners) == 20 + 2 * 4 and padded.query_owners[20:] == (-1,) * 8
-    assert padded.for_rank(1).piece_prefix_lens() == [0, 8, 0, 0]
+    assert piece_prefix_lens(padded.for_rank(1)) == [0, 8, 0, 0]
 
 
 def test_pieces_of_rows_over_sixteen_queries_need_the_owners():
@@ -53,4 +55,4 @@ def test_pieces_of_rows_over_sixteen_queries_need_the_owners():
     bare = HostMetadata(host.dcp_size, host.interleave, host.page_size, host.query_lens, host.local_seq_lens,
                         host.local_prefix_lens, host.block_tables)
     with pytest.raises(ValueError, match="without query owners"):
-        bare.for_rank(0).piece_prefix_lens()
+        piece_prefix_lens(bare.for_rank(0))
