@@ -7,9 +7,7 @@ from the first line of main() on: while the subcommands are imported too, and ho
 is pressed); 143 terminated (SIGTERM). Ranks are stopped in every case.
 
 This module imports nothing heavy before main() installs its SIGINT handler (torch comes with
-the subcommands' modules, which main() imports). Ctrl-C before main() runs is Python's own (a
-traceback, killed by SIGINT): `import dcp_compile.cli.main` first runs dcp_compile/__init__.py,
-which imports torch.
+the subcommands' modules, which main() imports; dcp_compile/__init__.py loads its names lazily).
 """
 
 from __future__ import annotations

@@ -9,27 +9,20 @@ also die with the launcher when it is killed outright (SIGKILL runs none of its 
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import signal
 import socket
-import sys
-import threading
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
 
-from dcp_compile.runtime import parallel
+from dcp_compile.runtime import parallel, parent_death
 from dcp_compile.runtime.devices import require_torch_npu
-
-PR_SET_PDEATHSIG = 1
-"""prctl option (linux/prctl.h): the signal this process gets when its parent dies."""
-PARENT_POLL_S = 0.5
-"""How often the watchdog looks for a dead parent, where the parent-death signal is unavailable."""
 
 DEFAULT_TIMEOUT_S = 300.0
 """Seconds a collective waits for a stalled peer before failing (torch's default is 30 minutes)."""
@@ -65,35 +58,8 @@ def check_timeout(timeout: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout)
 
 
-def _set_parent_death_signal() -> bool:
-    """Linux: have the kernel SIGKILL this process when its parent dies; False where it cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    except (OSError, AttributeError):  # no libc to load, or no prctl in it
-        return False
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:  # an orphan is adopted by another process
-        time.sleep(PARENT_POLL_S)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Make this rank die when the launcher `parent_pid` does, however it dies, so that no rank
-    of a killed launcher goes on computing (or holding a GPU). The parent-death signal fires
-    when the thread that started the rank exits: spawn() waits in it for the ranks' results."""
-    if not _set_parent_death_signal():
-        threading.Thread(target=_watch_parent, args=(parent_pid,), name="dcp-parent-watchdog", daemon=True).start()
-    if os.getppid() != parent_pid:  # the launcher died before the signal was asked for
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _worker(rank: int, world_size: int, parent_pid: int, port: int, backend: str, timeout: float, fn, args, results):
-    _die_with_parent(parent_pid)
+def worker(rank: int, results, world_size: int, port: int, backend: str, timeout: float, fn, args) -> None:
+    """A spawned rank (started by parent_death.rank_main): join the world, run fn, report to `results`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -127,8 +93,8 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = DE
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
-    processes = [ctx.Process(target=_worker, args=(rank, world_size, os.getpid(), port, backend, timeout, fn, args, results),
-                             daemon=False)
+    payload = ForkingPickler.dumps((world_size, port, backend, timeout, fn, args))
+    processes = [ctx.Process(target=parent_death.rank_main, args=(rank, os.getpid(), bytes(payload), results), daemon=False)
                  for rank in range(world_size)]
     try:
         for process in processes:  # inside the try: a Ctrl-C between two starts still stops the first

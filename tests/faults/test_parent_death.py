@@ -74,19 +74,35 @@ def test_ranks_die_when_their_launcher_is_killed(tmp_path):
     _assert_gone(pids)
 
 
+def test_ranks_still_importing_die_when_their_launcher_is_killed(tmp_path):
+    """A rank asks for the parent-death signal before it imports its function's module (torch,
+    in a real run: seconds, tens of seconds on a loaded machine); here the module sleeps in its
+    import (tests/faults/slow_import.py), and the launcher is killed then."""
+    launcher = _python("import os, sys; os.environ.update(DCP_TEST_SLOW_IMPORT_DIR=sys.argv[1], DCP_TEST_SLOW_IMPORT_S='0'); "
+                       "from tests.faults import slow_import; os.environ['DCP_TEST_SLOW_IMPORT_S'] = '60'; "
+                       f"from dcp_compile.runtime.launch import spawn; spawn(slow_import.rank_fn, {RANKS})", str(tmp_path))
+    try:
+        pids = [pid for pid in _pids(tmp_path, RANKS + 1) if pid != launcher.pid]  # the launcher's own import too
+        assert len(pids) == RANKS and all(map(_alive, pids))
+    finally:
+        launcher.kill()
+        launcher.wait()
+    _assert_gone(pids)
+
+
 def test_a_rank_whose_launcher_died_before_it_started_kills_itself():
     """The parent-death signal is asked for after the parent may already be gone: the rank
     compares its parent with the launcher's pid it was given."""
-    rank = subprocess.run([sys.executable, "-c", "import os; from dcp_compile.runtime import launch; "
-                           "launch._die_with_parent(os.getppid() + 1); print('still running')"],
+    rank = subprocess.run([sys.executable, "-c", "import os; from dcp_compile.runtime import parent_death; "
+                           "parent_death.die_with_parent(os.getppid() + 1); print('still running')"],
                           cwd=REPO, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert rank.returncode == -signal.SIGKILL and rank.stdout == ""
 
 
 def test_without_the_parent_death_signal_a_watchdog_thread_kills_the_rank(tmp_path):
-    rank = ("import os, sys, time; from pathlib import Path; from dcp_compile.runtime import launch; "
-            "launch._set_parent_death_signal = lambda: False; launch._die_with_parent(os.getppid()); "
+    rank = ("import os, sys, time; from pathlib import Path; from dcp_compile.runtime import parent_death; "
+            "parent_death.set_parent_death_signal = lambda: False; parent_death.die_with_parent(os.getppid()); "
             "from tests.faults.test_parent_death import _write_pid_and_sleep; _write_pid_and_sleep(0, 1, sys.argv[1])")
     parent = _python("import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]])",
                      rank, str(tmp_path))
