@@ -93,7 +93,7 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = DE
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
-    payload = ForkingPickler.dumps((world_size, port, backend, timeout, fn, args))
+    payload = ForkingPickler.dumps((worker, world_size, port, backend, timeout, fn, args))
     processes = [ctx.Process(target=parent_death.rank_main, args=(rank, os.getpid(), bytes(payload), results), daemon=False)
                  for rank in range(world_size)]
     try:

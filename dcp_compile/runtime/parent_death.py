@@ -51,9 +51,8 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def rank_main(rank: int, parent_pid: int, payload: bytes, results) -> None:
-    """spawn()'s process target. `payload` pickles launch.worker's other arguments (the rank's
-    function among them, whose module may import torch)."""
+    """spawn()'s process target. `payload` pickles (launch.worker, its other arguments): the
+    rank's function among them, whose module may import torch, as launch's does."""
     die_with_parent(parent_pid)
-    from dcp_compile.runtime import launch
-
-    launch.worker(rank, results, *pickle.loads(payload))
+    worker, *arguments = pickle.loads(payload)
+    worker(rank, results, *arguments)

@@ -14,8 +14,6 @@ attention, window attention, pack) run under the Triton interpreter off the hard
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from dcp_compile.harness.scenario import Scenario
@@ -25,7 +23,6 @@ pytestmark = pytest.mark.usefixtures("npu_emulator")  # tests/conftest.py: the r
 # 3 layers (2 MLA layers sharing the local metadata, 1 linear-attention one): the interpreter runs
 # every Triton kernel of every layer on 2 CI cores.
 NPU = dict(kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16, device="npu", layers=3)
-FULL = os.environ.get("DCP_COMPILE_FULL_MATRIX") == "1"
 CASES = [  # Scenario arguments: a Scenario on device="npu" needs the emulated device, made by the fixture
     # Verify with scripted accept/reject; k = 1 with 12 heads (FIA runs 16, padded) (k = 7,
     # page-interleaved, is replayed from NPU graphs below).
@@ -38,13 +35,15 @@ CASES = [  # Scenario arguments: a Scenario on device="npu" needs the emulated d
     dict(mode="extend", chunk=37, dcp_size=2, tp_size=2, batch=3, contexts=(1, 40, 60), steps=1, seed=16,
          options=(("npu_kernels", "triton"),)),
 ]
-if FULL:  # DCP 4: 4 ranks of the interpreter on 2 CI cores (about 70 s for one case, a spawn of its own).
-    # In CI, DCP 4 runs on the torch path (test_dcp_equivalence.py, test_modes.py), npu_attention_update
-    # merges 3 sources (tests/npu/test_standin.py), verify k = 16 runs through this lowering at
-    # dcp_size 1 (tests/npu/test_lowering.py, test_a5_options.py), and everything else here at DCP 2.
-    CASES.insert(0, dict(dcp_size=4, tp_size=4, batch=4, contexts=(1, 3, 40, 17), steps=2, seed=12))
-    CASES.insert(2, dict(mode="verify", draft_len=16, dcp_size=4, tp_size=4, batch=3, contexts=(2, 3, 40), steps=2,
-                         seed=15))
+# The `matrix` tier (--matrix; tests/conftest.py). DCP 4: 4 ranks on 2 CI cores, a spawn of its
+# own. By default DCP 4 runs on the torch path (test_dcp_equivalence.py, test_modes.py),
+# npu_attention_update merges 3 sources (tests/npu/test_standin.py), verify k = 16 runs through this
+# lowering at dcp_size 1 (tests/npu/test_lowering.py, test_a5_options.py), and everything else here
+# at DCP 2.
+MATRIX_CASES = [
+    dict(dcp_size=4, tp_size=4, batch=4, contexts=(1, 3, 40, 17), steps=2, seed=12),
+    dict(mode="verify", draft_len=16, dcp_size=4, tp_size=4, batch=3, contexts=(2, 3, 40), steps=2, seed=15),
+]
 GRAPH_CASES = [
     # Decode and verify steps replayed from NPU graphs (GraphRunner, NPUGraphs): the lengths change
     # every step and the block tables as requests cross pages; the rows are padded to the runner's
@@ -76,11 +75,12 @@ def check_matches_dcp_size_one(scenario: Scenario, result: dict) -> None:
     assert 0 < result["graphs_captured"] <= result["graph_keys"]
 
 
-NPU_SCENARIOS = [dict(**case, **NPU) for case in CASES + GRAPH_CASES]
+NPU_SCENARIOS = [dict(**case, **NPU) for case in CASES + MATRIX_CASES + GRAPH_CASES]
 """Run by tests/conftest.py, in one spawn per TP size with the other modules' cases."""
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES + [pytest.param(case, marks=pytest.mark.matrix) for case in MATRIX_CASES],
+                         ids=case_id)
 def test_npu_lowering_matches_dcp_size_one(case, npu_scenario_results):
     scenario = Scenario(**case, **NPU)
     result = npu_scenario_results[scenario]

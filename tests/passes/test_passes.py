@@ -169,6 +169,22 @@ def test_gather_kv_strategy_op_counts(graph):
     assert again.sites("gather_kv_attention") == 0
 
 
+def test_replicated_q_strategy_op_counts(graph):
+    """Every rank holds every head (a TP-1 model): each site attends over the local shard for all
+    heads and all-gathers its packed (out, lse) for the merge; no Q all-gather, no all-to-all.
+    Numerics on 2 ranks: tests/distributed/test_replicated_q.py."""
+    gm, report, rec = run_passes(graph, dcp_size=2, attention_strategy="replicated-q")
+    assert report.sites("replicated_q_attention") == MLA_LAYERS and report.sites("gather_q_attention") == 0
+    after = rec.ops("verify", "after")
+    assert "dcp::mla_attention" not in after
+    for op in ("dcp::mla_partial_attention", "dcp::pack_partials", "dcp::merge_partials",
+               "_c10d_functional::all_gather_into_tensor"):
+        assert after[op] == MLA_LAYERS, op
+    assert "_c10d_functional::all_to_all_single" not in after
+    _, again, _ = run_passes(gm, dcp_size=2, attention_strategy="replicated-q")
+    assert again.sites("replicated_q_attention") == 0
+
+
 def test_metadata_check_once_per_graph(graph):
     _, report, rec = run_passes(graph, dcp_size=2, debug_checks=True)
     assert report.sites("check_metadata") == 1
