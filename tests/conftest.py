@@ -5,7 +5,7 @@ fixtures, never on the test itself: `spawn` (starts processes: ranks, a CLI run,
 `emulator` (the emulated npu device), `interpreter` (Triton kernels under the Triton interpreter,
 in this process or in its ranks), `slow` (over 20 s alone on the 2-core machine: the quick tier is
 `-m "not slow"`), `gpu` (needs a CUDA GPU), `matrix` (the whole option matrix, whose cases the
-default run covers another way: deselected unless `--matrix` is given). Markers are strict
+default run covers another way: deselected unless `--matrix` is given or -m names it). Markers are strict
 (pyproject.toml), and the table is checked: a test that starts a process or launches a Triton
 kernel under the interpreter in this process without its marker fails, naming the entry to add.
 
@@ -174,7 +174,7 @@ def pytest_collection_modifyitems(config, items):
     config.stash[_COLLECTED] = list(items)
     if not any("::" in arg for arg in config.args):  # whole modules were collected
         _check_entries(items)
-    if not config.getoption("--matrix"):
+    if not config.getoption("--matrix") and "matrix" not in (config.getoption("markexpr") or ""):
         kept = [item for item in items if item.get_closest_marker("matrix") is None]
         if len(kept) < len(items):
             config.hook.pytest_deselected(items=[item for item in items if item not in kept])

@@ -20,15 +20,15 @@ from dcp_compile.harness.scenario import Scenario
 
 pytestmark = pytest.mark.usefixtures("npu_emulator")  # tests/conftest.py: the ranks inherit it
 
-# 3 layers (2 MLA layers sharing the local metadata, 1 linear-attention one): the interpreter runs
-# every Triton kernel of every layer on 2 CI cores.
+# 3 layers (2 MLA layers sharing the local metadata, 1 linear-attention one): short prefills on 2
+# CI cores (the npu_kernels='triton' case runs every Triton kernel of every layer in the interpreter).
 NPU = dict(kernels="npu", model="tiny-512", dtype="bfloat16", block_size=16, device="npu", layers=3)
 CASES = [  # Scenario arguments: a Scenario on device="npu" needs the emulated device, made by the fixture
     # Verify with scripted accept/reject; k = 1 with 12 heads (FIA runs 16, padded) (k = 7,
     # page-interleaved, is replayed from NPU graphs below).
     dict(mode="verify", draft_len=1, dcp_size=2, tp_size=2, batch=3, contexts=(1, 2, 40), steps=3, seed=13,
          num_heads=12),
-    # Extend: chunks of 37 (more than FIA's 16 queries) go through gather-kv, then FIA decode.
+    # Extend: chunks of 37 (more than FIA's 16 queries): FIA over pieces of 16 (native), then FIA decode.
     dict(mode="extend", chunk=37, dcp_size=2, tp_size=2, batch=3, contexts=(1, 40, 60), steps=2, seed=16),
     # With the Triton kernels (A2/A3 with a paired triton-ascend): a chunk of 37 through gather-kv,
     # then a decode step; under the Triton interpreter here, so one of each.
