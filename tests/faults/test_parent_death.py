@@ -131,3 +131,13 @@ def test_a_ctrl_c_between_two_rank_starts_stops_the_started_rank(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         launch.spawn(_write_pid_and_sleep, RANKS, "/nonexistent")
     assert len(started) == 1 and started[0].exitcode is not None and not _alive(started[0].pid)
+
+
+def test_the_rank_entry_and_the_cli_entry_import_no_torch():
+    """What a spawned rank runs before its parent-death signal is set, and what the CLI runs
+    before its SIGINT handler, are quick to import: no torch."""
+    code = ("import sys; import dcp_compile.runtime.parent_death, dcp_compile.cli.main; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
