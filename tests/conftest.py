@@ -167,7 +167,7 @@ def _tiers(item: pytest.Item) -> set[str]:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Mark every item (before -m and -k select); keep every collected item for the scenario
-    claims; deselect the matrix cases unless --matrix."""
+    claims; deselect the matrix cases unless --matrix or -m names them."""
     for item in items:
         for name in sorted(_tiers(item)):
             item.add_marker(name)
@@ -175,10 +175,10 @@ def pytest_collection_modifyitems(config, items):
     if not any("::" in arg for arg in config.args):  # whole modules were collected
         _check_entries(items)
     if not config.getoption("--matrix") and "matrix" not in (config.getoption("markexpr") or ""):
-        kept = [item for item in items if item.get_closest_marker("matrix") is None]
-        if len(kept) < len(items):
-            config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-            items[:] = kept
+        matrix = [item for item in items if item.get_closest_marker("matrix") is not None]
+        if matrix:
+            config.hook.pytest_deselected(items=matrix)
+            items[:] = [item for item in items if item.get_closest_marker("matrix") is None]
 
 
 _COLLECTED = pytest.StashKey[list]()
