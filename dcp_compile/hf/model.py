@@ -131,7 +131,7 @@ class DCPTransformersModel(nn.Module):
         groups = state.parallel
         self._agreement = GroupAgreement(state.config.dcp_size, groups.dcp_rank, groups.dcp_group_name,
                                          state.kv_pool.cache(0).device)
-        model.forward = self._step  # the instance's, so generate() and model(...) run the DCP step
+        model.forward = self._forward_with_the_models_signature()  # generate() and model(...) run the DCP step
 
     @property
     def config(self):
@@ -201,6 +201,17 @@ class DCPTransformersModel(nn.Module):
         if setting("max_new_tokens") is not None:
             return input_ids.shape[1] + setting("max_new_tokens")
         return setting("max_length")
+
+    def _forward_with_the_models_signature(self):
+        """The DCP step, showing the wrapped forward's signature: transformers' generate() reads it
+        to decide what to pass (it builds an attention_mask from the pad token only when forward
+        names one, and asks for the last position's logits only when it names logits_to_keep)."""
+        def forward(*args, **kwargs):
+            return self._step(*args, **kwargs)
+
+        forward.__signature__ = self._signature
+        forward.__doc__ = self.model.forward.__doc__
+        return forward
 
     def _step(self, *args, **kwargs):
         with self._compiled_step.guarded():

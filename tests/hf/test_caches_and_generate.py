@@ -142,3 +142,22 @@ def test_generate_refuses_by_name(models):
         model(bad)
     with pytest.raises(ValueError, match=r"the cache has 1 rows, this step 2: .*batch \* num_return_sequences rows"):
         model(input_ids, **{model.cache_kwarg: model.new_cache(1, WIDTH)})
+
+
+def test_generate_without_an_attention_mask_sees_the_padding(models):
+    """apply keeps the wrapped forward's signature: generate() builds the attention mask from the
+    pad token (a left-padded batch is then refused by name, where it used to give other tokens
+    than transformers) and asks for the last position's logits only."""
+    import inspect
+
+    reference, model = models
+    assert {"attention_mask", "logits_to_keep"} <= set(inspect.signature(model.model.forward).parameters)
+    reference, model = copy.deepcopy(reference), dcp_compile.apply(copy.deepcopy(reference), dcp_size=1)
+    for config in (reference.config, reference.generation_config, model.model.config, model.model.generation_config):
+        config.pad_token_id = 0
+    input_ids = prompt().clamp(min=1)
+    _assert_matches(_generate(model, input_ids, do_sample=False), _generate(reference, input_ids, do_sample=False))
+    padded = input_ids.clone()
+    padded[1, :2] = 0
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 5\): a DCP step takes unpadded rows"):
+        model.generate(padded, max_new_tokens=2, do_sample=False)
