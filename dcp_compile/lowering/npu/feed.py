@@ -75,7 +75,7 @@ class FIAFeed(HostFeed):
         token_piece = [piece for piece, (_, _, count) in enumerate(pieces) for _ in range(count)]
         cumulative = [first + count for _, first, count in pieces]
         return {"piece_cumulative_query_len": cumulative + [tokens] * extra,
-                "piece_prefix_len": batch_pieces.piece_prefix_lens(host) + [0] * extra,
+                "piece_prefix_len": batch_pieces.piece_prefix_lens(host, pieces) + [0] * extra,
                 "piece_row": [row for row, _, _ in pieces] + [0] * extra,
                 "token_piece": token_piece}
 

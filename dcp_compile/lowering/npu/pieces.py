@@ -19,13 +19,14 @@ def pieces(host: RankHostMetadata) -> list[tuple[int, int, int]]:
     return found
 
 
-def piece_prefix_lens(host: RankHostMetadata) -> list[int]:
+def piece_prefix_lens(host: RankHostMetadata, cut: list[tuple[int, int, int]] | None = None) -> list[int]:
     """Per piece, this rank's keys of its row before the piece's first query: the row's keys before
-    the step, and the step's earlier tokens of the row this rank stores (host.query_owned)."""
+    the step, and the step's earlier tokens of the row this rank stores (host.query_owned). `cut`:
+    pieces(host), where the caller has it already."""
     row_first = list(itertools.accumulate((0,) + host.query_lens[:-1]))
     owned = None if host.query_owned is None else [0, *itertools.accumulate(map(int, host.query_owned))]
     prefix = []
-    for row, first, _ in pieces(host):
+    for row, first, _ in pieces(host) if cut is None else cut:
         before = 0
         if first > row_first[row]:
             if owned is None:
