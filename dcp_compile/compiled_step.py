@@ -22,6 +22,7 @@ import collections
 import contextlib
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -178,18 +179,19 @@ class CompiledStep:
             self._flags.raise_if_set(wait=True)
 
     def run(self, strategy_name: str, args: tuple, kwargs: dict, host_metadata: HostMetadata | None = None, *,
-            symbolic: bool = False):
+            symbolic: bool | Callable[[tuple, dict], tuple[tuple, dict]] = False):
         """The compiled call of one strategy, once the DCP peers agree on the batch shapes, with
-        `host_metadata` in the host slot. symbolic: the batch dimension of every tensor argument
-        symbolic (shapes.symbolic_batch), so that one graph serves many batch shapes."""
-        compiled = self.variant(strategy_name, symbolic)
+        `host_metadata` in the host slot. symbolic: True makes the batch dimension of every tensor
+        argument symbolic (shapes.symbolic_batch), so that one graph serves many batch shapes; a
+        function `(args, kwargs) -> (args, kwargs)` marks the front end's own dynamic dimensions."""
+        compiled = self.variant(strategy_name, bool(symbolic))
         self._peers.check(args, kwargs, strategy.STRATEGIES.index(strategy_name))
         slot = self.state.host_slot
         slot.begin(host_metadata)
         try:
             if not symbolic:
                 return compiled(*args, **kwargs)
-            args, kwargs = shapes.symbolic_batch(args, kwargs)
+            args, kwargs = (shapes.symbolic_batch if symbolic is True else symbolic)(args, kwargs)
             with shapes.distinct_sizes():
                 return compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as exc:

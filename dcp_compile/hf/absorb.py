@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from dcp_compile.ops import targets
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.cache_use import source_line
-from dcp_compile.passes.graph_utils import call, check_replacement, fake_value
+from dcp_compile.passes.graph_utils import call, check_replacement, fake_value, size_of
 
 aten = torch.ops.aten
 
@@ -156,10 +156,16 @@ def _placeholders(node, memo: dict) -> frozenset:
     return memo[node]
 
 
+def _is_size(placeholder: fx.Node) -> bool:
+    """A symbolic size (a dynamic dimension's value): the shape of a batch, never its padding."""
+    value = placeholder.meta.get("example_value", placeholder.meta.get("val"))
+    return isinstance(value, (int, torch.SymInt))
+
+
 def _check_mask(mask, allowed: frozenset, memo: dict, at: fx.Node) -> None:
     _expect(isinstance(mask, fx.Node), at, "an attention mask over the cache read (without one, transformers attends "
             "to every row of the read, unwritten ones included)")
-    foreign = sorted(n.name for n in _placeholders(mask, memo) - allowed)
+    foreign = sorted(n.name for n in _placeholders(mask, memo) - allowed if not _is_size(n))
     _expect(not foreign, mask, f"a mask computed from the cache's lengths only; it reads the inputs {foreign} (a padding "
             "mask? dcp_compile takes unpadded batches)")
 
@@ -357,17 +363,18 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
 def rewrite_site(graph: fx.Graph, site: AbsorbSite) -> fx.Node:
     cache, req_to_token, seq_lens, q_seq_ids, q_positions, _ = site.view.args
     heads, nope, value, rank, rope = site.heads, site.nope_dim, site.value_dim, site.rank_dim, site.rope_dim
-    batch, _, tokens, _ = _shape(site.q_nope)
     with graph.inserting_before(site.output):
+        # Sizes as graph values: a symbolic batch or token count is a sym_size node, never a raw SymInt.
+        batch, tokens = size_of(graph, site.q_nope, 0), size_of(graph, site.q_nope, 2)
         weight = call(graph, aten.view.default, site.weight, [heads, nope + value, rank])
         w_uk = call(graph, aten.slice.Tensor, weight, 1, 0, nope)
         w_uv = call(graph, aten.slice.Tensor, weight, 1, nope, nope + value)
         q_latent = call(graph, aten.einsum.default, "bhtn,hnr->bthr", [site.q_nope, w_uk])
-        q_latent = call(graph, aten.reshape.default, q_latent, [batch * tokens, heads, rank])
+        q_latent = call(graph, aten.reshape.default, q_latent, [-1, heads, rank])
         q_rope = call(graph, aten.permute.default, site.q_rope, [0, 2, 1, 3])
         q_rope = call(graph, aten.reshape.default, call(graph, aten.clone.default, q_rope,
                                                         memory_format=torch.contiguous_format),
-                      [batch * tokens, heads, rope])
+                      [-1, heads, rope])
         latent_out = call(graph, targets.ATTENTION, q_latent, q_rope, cache, req_to_token, seq_lens, q_seq_ids,
                           q_positions, site.sm_scale)
         out = call(graph, aten.einsum.default, "thr,hvr->thv", [latent_out, w_uv])

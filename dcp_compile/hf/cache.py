@@ -86,7 +86,8 @@ class DCPCacheLayer(CacheLayerMixin):
         return mla_cache_view(cache, self.req_to_token, seq_lens, q_seq_ids, q_positions, rank_dim)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.max_length, 0
+        # The table's width, not the int: symbolic where the step marks it so (one graph per width otherwise).
+        return self.req_to_token.shape[1], 0
 
     def get_seq_length(self) -> torch.Tensor:
         """The positions written, a 0-d tensor (as StaticLayer's): reading it in a graph is no break."""

@@ -224,7 +224,20 @@ class DCPTransformersModel(nn.Module):
             if inputs is None:
                 raise ValueError("a DCP step needs input_ids or inputs_embeds")
             self._agreement.check_step(inputs, input_ids, call.get(self.cache_kwarg))
-            return self._compiled_step.run(self._strategy, (), self._checked(call))
+            call = self._checked(call)
+            symbolic = not self.dcp_state.lowering.static_shapes(self._strategy, self.dcp_state.config.inner_compile)
+            return self._compiled_step.run(self._strategy, (), call, symbolic=symbolic and self._symbolic_lengths)
+
+    def _symbolic_lengths(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The step's rows and tokens and its cache's rows and width marked dynamic, so that one
+        graph serves every batch size, prompt length and cache width (dynamo specialises sizes 1:
+        a one-token step is the decode graph, a one-row batch has graphs of its own)."""
+        name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+        kwargs = dict(kwargs, **{name: kwargs[name].detach()})  # a mark sticks: never on the caller's tensor
+        for tensor in (kwargs[name], kwargs[self.cache_kwarg].layers[0].req_to_token):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        return args, kwargs
 
     def check_errors(self) -> None:
         """Wait for the last step's device error flags and raise if one was set (a step raises

@@ -161,3 +161,26 @@ def test_generate_without_an_attention_mask_sees_the_padding(models):
     padded[1, :2] = 0
     with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 5\): a DCP step takes unpadded rows"):
         model.generate(padded, max_new_tokens=2, do_sample=False)
+
+
+def test_a_thousand_prompt_lengths_compile_two_graphs():
+    """Every prompt length and cache width runs through one prefill graph and one decode graph
+    (before, each length compiled its own, and the 257th raised dynamo's FailOnRecompileLimitHit);
+    the tokens are transformers' at a sample of the lengths, rows of 1 and 3."""
+    from tests.hf.models import tiny_model
+
+    reference = tiny_model(max_position_embeddings=1024)
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kv_capacity=4096)
+    generator = torch.Generator().manual_seed(3)
+    compared = 0
+    with torch.no_grad():
+        for length in range(1, 1001):
+            rows = 3 if length % 100 == 7 else 1
+            input_ids = torch.randint(0, 64, (rows, length), generator=generator)
+            tokens = model.generate(input_ids, max_new_tokens=2, do_sample=False)
+            if length <= 3 or length % 50 == 7:
+                assert torch.equal(tokens, reference.generate(input_ids, max_new_tokens=2, do_sample=False)), length
+                compared += 1
+    assert compared == 23
+    graphs = len(dcp_compile.state(model).reports)
+    assert graphs <= 4, graphs  # (1 row | 3 rows) x (prefill | one-token decode)
