@@ -60,6 +60,17 @@ _CACHE_LENGTH_IN_GENERATE: contextvars.ContextVar[int | None] = contextvars.Cont
 guidance's unconditional pass calls the model so, then again with that cache for each new token)."""
 
 
+_UNSERVED_OUTPUTS = ("output_hidden_states", "output_attentions")
+
+
+def _unserved_output(name: str) -> str:
+    why = ("the DCP step's attention is absorbed MLA over the sharded latent cache, which never forms per-head "
+           "attention weights" if name == "output_attentions" else
+           "transformers records them with hooks on the decoder layers, which the DCP step (the forward compiled whole "
+           "with fullgraph) cannot trace")
+    return f"{name}=True: {why}; leave {name} at False (its default)"
+
+
 def cache_kwarg(model: nn.Module) -> str:
     """The name the model's forward takes its cache under: `cache` since transformers 5.2x,
     `past_key_values` before."""
@@ -74,6 +85,12 @@ def _check_model(model: nn.Module, config: DCPConfig) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{type(model).__name__} (model_type {model_type!r}) is not an MLA family dcp_compile knows: "
                          f"supported model types are {list(SUPPORTED_MODEL_TYPES)}")
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type is not None and "dynamic" in rope_type:
+        raise ValueError(f"rope_type {rope_type!r} (dynamic NTK) recomputes the rotary frequencies whenever a step's "
+                         "largest position passes the longest seen so far, a branch on the data that a compiled step "
+                         "cannot take; use a static scaling of the same factor ('linear', 'yarn' or 'longrope')")
     if not hasattr(model, "generate"):
         raise ValueError(f"{type(model).__name__} has no generate(): apply takes the causal-LM model "
                          "(e.g. DeepseekV3ForCausalLM)")
@@ -132,6 +149,7 @@ class DCPTransformersModel(nn.Module):
         self._agreement = GroupAgreement(state.config.dcp_size, groups.dcp_rank, groups.dcp_group_name,
                                          state.kv_pool.cache(0).device)
         model.forward = self._forward_with_the_models_signature()  # generate() and model(...) run the DCP step
+        model.generate = self.generate  # the DCP generate() (its cache, its checks) on the object passed to apply too
 
     @property
     def config(self):
@@ -173,9 +191,15 @@ class DCPTransformersModel(nn.Module):
                              "cache's rows are fixed KV locations sharded over the DCP ranks; use num_beams=1 (greedy "
                              "or sampled decoding; num_return_sequences for several samples of one prompt)")
         if not use_cache:
-            raise ValueError("use_cache=False: generate() would run every step over the whole sequence without a cache, "
-                             "and a DCP model's attention runs over its sharded KV cache; leave use_cache at its "
+            where = ("" if "use_cache" in kwargs else
+                     " (from the model's generation_config: checkpoints saved for training often have it; set "
+                     "model.generation_config.use_cache = True, or pass use_cache=True)")
+            raise ValueError(f"use_cache=False{where}: generate() would run every step over the whole sequence without a "
+                             "cache, and a DCP model's attention runs over its sharded KV cache; leave use_cache at its "
                              "default, True")
+        for name in _UNSERVED_OUTPUTS:
+            if setting(name):
+                raise ValueError(_unserved_output(name))
         if cache is None:
             cache = self.new_cache(input_ids.shape[0] * samples, length)
         # The unconditional pass of guidance: the negative prompt (else the prompt's last token)
@@ -186,7 +210,7 @@ class DCPTransformersModel(nn.Module):
         generators = self._agreement.shared_generators(self.model.device) if sampling else contextlib.nullcontext()
         try:
             with generators:
-                return self.model.generate(*args, **{self.cache_kwarg: cache}, **kwargs)
+                return type(self.model).generate(self.model, *args, **{self.cache_kwarg: cache}, **kwargs)
         finally:
             _CACHE_LENGTH_IN_GENERATE.reset(token)
 
@@ -213,6 +237,7 @@ class DCPTransformersModel(nn.Module):
         forward.__doc__ = self.model.forward.__doc__
         return forward
 
+    @torch.compiler.disable(reason="dcp_compile runs its own compile of the model; an outer compile cannot inline it")
     def _step(self, *args, **kwargs):
         with self._compiled_step.guarded():
             call = self._signature.bind_partial(*args, **kwargs).arguments
@@ -255,6 +280,10 @@ class DCPTransformersModel(nn.Module):
             input_ids = call["input_ids"] = input_ids.clone(memory_format=torch.contiguous_format)
         inputs = input_ids if input_ids is not None else call["inputs_embeds"]
         batch, tokens = inputs.shape[:2]
+        text = self.model.config.get_text_config(decoder=True)
+        for name in _UNSERVED_OUTPUTS:
+            if call.get(name) or (call.get(name) is None and getattr(text, name, False)):
+                raise ValueError(_unserved_output(name))
         cache = call.get(self.cache_kwarg)
         if call.get("use_cache") is False:
             if cache is not None:

@@ -109,9 +109,26 @@ def group_steps(rank: int, world: int) -> dict:
                                                                            max_new_tokens=NEW_TOKENS + rank))
         results["sampling_differs"] = _outcome(lambda: model.generate(first, max_new_tokens=NEW_TOKENS,
                                                                       do_sample=rank == 0))
+    results["outer_compile"] = _outer_compile(reference, first, world)
     results["after_refused_calls"] = _difference(_generate(model, second, do_sample=False),
                                                  _generate(reference, second, do_sample=False))
     return results
+
+
+def _outer_compile(reference, input_ids, world: int) -> dict:
+    """torch.compile around what apply returned: the DCP step stays DCP's own (it used to be
+    inlined into the outer graph, so every rank stored every token). A prefill of 5 tokens and a
+    decode step: the logits against transformers', and the KV rows this rank stores."""
+    outer = dcp_compile.apply(copy.deepcopy(reference), dcp_size=world)
+    compiled = torch.compile(outer)
+    cache = outer.new_cache(1, WIDTH)
+    with torch.no_grad():
+        logits = [compiled(input_ids, **{outer.cache_kwarg: cache}).logits[:, -1],
+                  compiled(torch.tensor([[3]]), **{outer.cache_kwarg: cache}).logits[:, -1]]
+        want = [reference(input_ids).logits[:, -1], reference(torch.cat([input_ids, torch.tensor([[3]])], 1)).logits[:, -1]]
+    stored = int((dcp_compile.state(outer).kv_pool.cache(0) != 0).any(dim=-1).sum())
+    return dict(worst=max(float((g - w).abs().max()) for g, w in zip(logits, want)), stored=stored,
+                tokens=input_ids.shape[1] + 1)
 
 
 def rank_runs(rank: int, world: int, cases: list[dict]) -> dict:

@@ -37,7 +37,7 @@ def _last_logits(model, input_ids, **kwargs):
 
 def _generate(model, input_ids, **kwargs):
     with torch.no_grad():
-        out = model.generate(input_ids, max_new_tokens=NEW_TOKENS, output_logits=True, output_scores=True,
+        out = model.generate(*(() if input_ids is None else (input_ids,)), max_new_tokens=NEW_TOKENS, output_logits=True, output_scores=True,
                              return_dict_in_generate=True, **kwargs)
     return out.sequences, torch.stack(out.logits), torch.stack(out.scores)
 
@@ -184,3 +184,40 @@ def test_a_thousand_prompt_lengths_compile_two_graphs():
     assert compared == 23
     graphs = len(dcp_compile.state(model).reports)
     assert graphs <= 4, graphs  # (1 row | 3 rows) x (prefill | one-token decode)
+
+
+def test_what_a_new_user_tries_is_served_or_refused_by_name(models):
+    """generate(inputs=...), generate() and beam search on the object passed to apply, torch.compile
+    around the applied model, hidden states and attention weights, use_cache=False from a saved
+    generation config, dynamic NTK rope: each served as transformers serves it, or refused by name
+    before any step (they used to give dynamo's own errors, a transformers-cache error, or, under
+    an outer compile, a step that was no longer DCP's)."""
+    from tests.hf.models import tiny_model
+
+    reference, model = models
+    input_ids = prompt()
+    want = _generate(reference, input_ids, do_sample=False)
+    _assert_matches(_generate(model, None, inputs=input_ids, do_sample=False), want)
+    _assert_matches(_generate(model.model, input_ids, do_sample=False), want)  # apply's argument is the DCP model
+    with pytest.raises(ValueError, match="num_beams=2: beam search reorders the cache's rows"):
+        model.model.generate(input_ids, num_beams=2, max_new_tokens=2)
+    outer = torch.compile(model)
+    with torch.no_grad():
+        got, expected = outer(input_ids).logits, reference(input_ids).logits
+    assert float((got - expected).abs().max()) < 1e-5
+    for name, why in (("output_hidden_states", "hooks on the decoder layers"),
+                      ("output_attentions", "never forms per-head attention weights")):
+        with pytest.raises(ValueError, match=f"{name}=True: .*{why}"):
+            model.generate(input_ids, max_new_tokens=2, return_dict_in_generate=True, **{name: True})
+        with pytest.raises(ValueError, match=f"{name}=True"):
+            model(input_ids, **{name: True})
+    saved = copy.deepcopy(model.model.generation_config)
+    model.model.generation_config.use_cache = False
+    try:
+        with pytest.raises(ValueError, match=r"use_cache=False \(from the model's generation_config"):
+            model.generate(input_ids, max_new_tokens=2)
+    finally:
+        model.model.generation_config = saved
+    dynamic = tiny_model(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match=r"rope_type 'dynamic' \(dynamic NTK\) .* a branch on the data"):
+        dcp_compile.apply(dynamic, dcp_size=1)

@@ -160,3 +160,12 @@ def test_steps_the_ranks_disagree_on_are_refused_on_every_rank(group):
         kind, message = result["sampling_differs"]
         assert kind == "ValueError" and "generate() calls: rank 0: sampling 1; rank 1: sampling 0." in message
         _matches_transformers(result["after_refused_calls"])
+
+
+def test_torch_compile_around_the_applied_model_keeps_dcp(group):
+    """torch.compile(applied): DCP's own step runs inside it (before, the outer compile inlined it,
+    and every rank stored every token)."""
+    stored = [result["outer_compile"]["stored"] for result in group]
+    for result in group:
+        assert result["outer_compile"]["worst"] < 1e-5
+    assert sum(stored) == group[0]["outer_compile"]["tokens"] and max(stored) - min(stored) <= 1
