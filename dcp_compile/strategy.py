@@ -14,12 +14,20 @@ STRATEGIES = cost_model.STRATEGIES + (REPLICATED_Q,)
 """Every strategy a step may run: the cost model's two, and replicated-q for unsplit heads."""
 
 
-def require_replicated_back_end(lowering: Lowering, who: str) -> None:
-    """replicated-q lowers through back ends that plan nothing on the host and keep the packed KV
-    layout; `who` names what runs it, for the error."""
+def replicated_refusal(lowering: Lowering) -> str | None:
+    """Why `lowering` cannot serve replicated-q, or None: it lowers through back ends that plan
+    nothing on the host and keep the packed KV layout."""
     if lowering.plans_on_host or not lowering.kv_layout.packed:
-        raise ValueError(f"kernels={lowering.name!r}: {who} runs {REPLICATED_Q!r}, which only back ends that plan "
-                         "nothing on the host and keep the packed KV layout serve (torch, triton)")
+        return (f"{REPLICATED_Q!r}, which only back ends that plan nothing on the host and keep the packed KV layout "
+                "serve (torch, triton)")
+    return None
+
+
+def require_replicated_back_end(lowering: Lowering, who: str) -> None:
+    """Raise unless `lowering` serves replicated-q; `who` names what runs it, for the error."""
+    reason = replicated_refusal(lowering)
+    if reason is not None:
+        raise ValueError(f"kernels={lowering.name!r}: {who} runs {reason}")
 
 
 @dataclass(frozen=True)

@@ -114,15 +114,18 @@ def options_for(lowering: Lowering, given=()) -> Options:
     return lowering.Options(**values)
 
 
-def resolve(kernels: str, pool, config) -> Lowering:
+def resolve(kernels: str, pool, config, refuses=None) -> Lowering:
     """The back end `kernels` names, or for 'auto' the one for the pool's device: npu on an NPU;
     on CUDA flashinfer where it serves the GPU, the pool and the config (else triton, logged
-    once with the reason); the torch reference elsewhere."""
+    once with the reason); the torch reference elsewhere. refuses: `lowering -> reason or None`,
+    what the caller itself cannot run on a back end (auto passes over such a one)."""
     if kernels != AUTO:
         return get(kernels)
     *preferred, fallback = auto_choices(pool.device.type)
     for name in preferred:
         reasons = get(name).unsupported_reasons(pool, config)
+        if refuses is not None and refuses(get(name)):
+            reasons = [*reasons, refuses(get(name))]
         if not reasons:
             return get(name)
         log.info("kernels='auto': %s, not %s: %s", fallback, name, "; ".join(reasons))

@@ -1,0 +1,162 @@
+"""An unmodified transformers DeepSeek-V3 through dcp_compile.apply against transformers' own
+generate(), side by side in one run, on one CUDA GPU.
+
+    python -m bench.hf_generate --out bench/results/hf_generate_h200.json
+
+The model has DeepSeek-V3's attention widths (64 heads, q-LoRA 1536, R 512, P 64, n 128, v 128,
+hidden 7168) with few layers and small experts, so that transformers' own per-head cache fits;
+bf16, random weights (initializer_range 0.02). For each context and batch, a random prompt and
+`--new-tokens` greedy tokens:
+- transformers' best: a static cache (cache_implementation="static"), which generate() decodes
+  under its own torch.compile (CUDA graphs, "reduce-overhead"), warmed up before timing;
+- dcp_compile at dcp_size 1 on each `--kernels` back end (inductor inner compile), warmed up.
+Per-token decode latency = (generate of N new tokens - generate of 1) / (N - 1), medians of
+`--repeats`. Tokens are compared with the near-tie rule (tests/gpu/test_hf_front_end.py); the KV
+bytes per token are each cache's allocated bytes over its token slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from bench.lib import result as results
+from bench.lib.timing import require_cuda
+
+SHAPE = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, intermediate_size=2048,
+             moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+             first_k_dense_replace=1, n_group=1, topk_group=1, vocab_size=32000, initializer_range=0.02,
+             eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def build(layers: int, max_positions: int):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(num_hidden_layers=layers, max_position_embeddings=max_positions, **SHAPE)
+    config._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = DeepseekV3ForCausalLM(config).to(torch.bfloat16).eval()
+    return model
+
+
+def timed_generate(model, input_ids, new_tokens: int, **kwargs):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, **kwargs)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    cache = out.past_key_values
+    if hasattr(cache, "release"):
+        cache.release()  # a DCP cache's pool locations, held by the output until it is dropped
+    return seconds, out
+
+
+def per_token(model, input_ids, new_tokens: int, repeats: int, **kwargs):
+    """(median per-token decode seconds, the last full generate's output)."""
+    timed_generate(model, input_ids, new_tokens, **kwargs)  # warm-up: every graph compiled and captured
+    full, one = [], []
+    for _ in range(repeats):
+        seconds, out = timed_generate(model, input_ids, new_tokens, **kwargs)
+        full.append(seconds)
+        one.append(timed_generate(model, input_ids, 1, **kwargs)[0])
+    return (statistics.median(full) - statistics.median(one)) / (new_tokens - 1), out
+
+
+def near_tie(got, want, tolerance: float) -> dict:
+    """Tokens under the near-tie rule: rows may part only where transformers' two candidates are
+    within 2 x tolerance; the largest logit difference before each row's first flip."""
+    got_logits, want_logits = torch.stack(got.logits, 1).float(), torch.stack(want.logits, 1).float()
+    prompt = got.sequences.shape[1] - got_logits.shape[1]
+    worst, flips, agree = 0.0, 0, True
+    for row in range(got.sequences.shape[0]):
+        for step in range(got_logits.shape[1]):
+            worst = max(worst, float((got_logits[row, step] - want_logits[row, step]).abs().max()))
+            ours, theirs = int(got.sequences[row, prompt + step]), int(want.sequences[row, prompt + step])
+            if ours != theirs:
+                flips += 1
+                agree &= float(want_logits[row, step, theirs] - want_logits[row, step, ours]) <= 2 * tolerance
+                break
+    return dict(tokens_match=agree and worst < tolerance, near_tie_flips=flips, max_abs_logit_diff=worst,
+                tokens_equal=bool(torch.equal(got.sequences, want.sequences)))
+
+
+def cache_bytes_per_token(cache, batch: int) -> float:
+    """A transformers cache's allocated K and V bytes over its token slots (batch x max length)."""
+    total = slots = 0
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):
+            total += tensor.numel() * tensor.element_size()
+        slots = batch * layer.keys.shape[-2]
+    return total / slots
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kernels", nargs="+", default=["triton"])
+    parser.add_argument("--tolerance", type=float, default=0.1, help="bf16 logit tolerance of the near-tie rule")
+    args = parser.parse_args(argv)
+    require_cuda("bench.hf_generate")
+    import dcp_compile
+
+    result = results.start("hf_generate", argv, torch.device("cuda"))
+    longest = max(args.contexts) + args.new_tokens
+    reference = build(args.layers, longest + 1)
+    rows_needed = max(args.batches) * longest + 1
+    ours = {kernels: dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kernels=kernels,
+                                       inner_compile="inductor", kv_capacity=rows_needed)
+            for kernels in args.kernels}
+    pool = dcp_compile.state(next(iter(ours.values()))).kv_pool
+    ours_bytes = pool.cache(0)[0].numel() * pool.cache(0).element_size() * pool.num_layers
+    # transformers' attention expands the cached latent into per-head K (n + P) and V (v) at every
+    # step and reads those: bytes per cached token per layer, from the config.
+    expanded = SHAPE["num_attention_heads"] * (SHAPE["qk_nope_head_dim"] + SHAPE["qk_rope_head_dim"]
+                                               + SHAPE["v_head_dim"]) * 2
+    result["run"] = dict(shape=SHAPE, layers=args.layers, new_tokens=args.new_tokens, dtype="bfloat16",
+                         kernels=args.kernels, tolerance=args.tolerance,
+                         attention_bytes_per_token_per_layer=dict(transformers_expanded_kv=expanded,
+                                                                  dcp_compile_latent=ours_bytes / pool.num_layers,
+                                                                  ratio=expanded * pool.num_layers / ours_bytes))
+    theirs_bytes = None
+    generator = torch.Generator().manual_seed(1)
+    for context in args.contexts:
+        for batch in args.batches:
+            input_ids = torch.randint(0, SHAPE["vocab_size"], (batch, context), generator=generator).cuda()
+            started = time.perf_counter()
+            theirs, want = per_token(reference, input_ids, args.new_tokens, args.repeats,
+                                     cache_implementation="static")
+            if theirs_bytes is None:
+                theirs_bytes = cache_bytes_per_token(want.past_key_values, batch)
+                result["run"]["kv_bytes_per_token"] = dict(transformers=theirs_bytes, dcp_compile=ours_bytes,
+                                                           ratio=theirs_bytes / ours_bytes)
+                print(f"KV bytes per token: transformers {theirs_bytes:.0f}, dcp_compile {ours_bytes:.0f} "
+                      f"({theirs_bytes / ours_bytes:.1f}x less)", flush=True)
+            row = dict(context=context, batch=batch, transformers_static_compiled_s=theirs)
+            for kernels, model in ours.items():
+                seconds, got = per_token(model, input_ids, args.new_tokens, args.repeats)
+                row[f"dcp_{kernels}_s"] = seconds
+                row[f"speedup_{kernels}"] = theirs / seconds
+                row.update({f"{key}_{kernels}": value for key, value in near_tie(got, want, args.tolerance).items()})
+                row[f"graphs_{kernels}"] = len(dcp_compile.state(model).reports)
+            row["wall_s"] = time.perf_counter() - started
+            results.add(result, results.MAIN, row)
+            print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            torch.cuda.empty_cache()
+    results.write(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

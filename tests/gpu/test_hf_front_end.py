@@ -1,0 +1,94 @@
+"""The transformers front end on CUDA: an unmodified DeepseekV3ForCausalLM with DeepSeek-V3's
+attention widths (R 512, P 64, n 128, v 128; 16 heads, 2 layers) through dcp_compile.apply at
+dcp_size 1, against the untouched model's generate(), on the back ends that serve it (triton,
+torch) with the eager and the inductor inner compile, in fp32 and bf16.
+
+fp32: the same greedy tokens and logits within FP32_LOGITS. bf16: the near-tie rule (the
+harness's, dcp_compile/harness/scenario.py): a row's tokens may part only where the untouched
+model's two candidates are within 2 x BF16_LOGITS of each other, and the logits before that
+within BF16_LOGITS. Skipped where no CUDA device is present."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+import dcp_compile  # noqa: E402
+from tests.hf.models import tiny_model  # noqa: E402
+
+WIDTHS = dict(hidden_size=256, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
+              qk_nope_head_dim=128, v_head_dim=128, vocab_size=256, max_position_embeddings=512,
+              initializer_range=0.02)
+NEW_TOKENS = 12
+FP32_LOGITS = 2e-3
+BF16_LOGITS = 6e-2
+
+
+def _model(dtype):
+    return tiny_model(**WIDTHS).to("cuda", dtype)
+
+
+def _generate(model, input_ids):
+    with torch.no_grad():
+        out = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits, 1).float()  # logits [B, steps, vocab]
+
+
+def _agree(got, want, tolerance: float) -> float:
+    """Assert the near-tie rule row by row; the largest logit difference before a row's first flip."""
+    (got_tokens, got_logits), (want_tokens, want_logits) = got, want
+    prompt = got_tokens.shape[1] - got_logits.shape[1]
+    worst = 0.0
+    for row in range(got_tokens.shape[0]):
+        for step in range(got_logits.shape[1]):
+            worst = max(worst, float((got_logits[row, step] - want_logits[row, step]).abs().max()))
+            ours, theirs = int(got_tokens[row, prompt + step]), int(want_tokens[row, prompt + step])
+            if ours != theirs:
+                margin = float(want_logits[row, step, theirs] - want_logits[row, step, ours])
+                assert margin <= 2 * tolerance, (row, step, margin)
+                break  # the rows' histories part here
+    assert worst < tolerance, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(0, WIDTHS["vocab_size"], (rows, length), generator=generator).cuda()
+            for rows, length in ((2, 37), (1, 5), (3, 64))]
+
+
+@pytest.mark.parametrize("kernels,inner_compile,dtype", [
+    ("triton", "eager", torch.float32),
+    ("triton", "inductor", torch.bfloat16),
+    ("triton", "eager", torch.bfloat16),
+    ("torch", "inductor", torch.bfloat16),
+])
+def test_generate_matches_transformers_on_cuda(prompts, kernels, inner_compile, dtype):
+    reference = _model(dtype)
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kernels=kernels, inner_compile=inner_compile)
+    tolerance = FP32_LOGITS if dtype == torch.float32 else BF16_LOGITS
+    for input_ids in prompts:
+        got, want = _generate(model, input_ids), _generate(reference, input_ids)
+        if dtype == torch.float32:
+            assert torch.equal(got[0], want[0])
+        _agree(got, want, tolerance)
+    graphs = len(dcp_compile.state(model).reports)
+    assert graphs <= 6, graphs  # rows 1 | more, x prefill | one-token decode; never one per prompt length
+
+
+def test_auto_kernels_pick_a_back_end_that_serves_the_front_end(prompts):
+    """kernels='auto' on CUDA passes over FlashInfer (it plans on the host, which replicated
+    attention does not serve) where it is installed, instead of refusing the model."""
+    reference = _model(torch.bfloat16)
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1)
+    assert dcp_compile.state(model).config.kernels == "triton"
+    _agree(_generate(model, prompts[0]), _generate(reference, prompts[0]), BF16_LOGITS)
