@@ -142,11 +142,14 @@ def layer_name(node: fx.Node) -> str:
 
 
 def _placeholders(node, memo: dict) -> frozenset:
-    """The graph inputs a node's value depends on."""
+    """The graph inputs a node's value depends on; a size (a tensor's shape, static or symbolic)
+    depends on none: it carries the batch's shape, never its data."""
     if not isinstance(node, fx.Node):
         return frozenset()
     if node not in memo:
-        if node.op == "placeholder":
+        if _is_size(node):
+            memo[node] = frozenset()
+        elif node.op == "placeholder":
             memo[node] = frozenset([node])
         else:
             found = frozenset()
@@ -156,16 +159,17 @@ def _placeholders(node, memo: dict) -> frozenset:
     return memo[node]
 
 
-def _is_size(placeholder: fx.Node) -> bool:
-    """A symbolic size (a dynamic dimension's value): the shape of a batch, never its padding."""
-    value = placeholder.meta.get("example_value", placeholder.meta.get("val"))
+def _is_size(node: fx.Node) -> bool:
+    """An int or a symbolic size (a dynamic dimension's value, or one read off a tensor's shape):
+    the shape of a batch, never its padding."""
+    value = node.meta.get("example_value", node.meta.get("val"))
     return isinstance(value, (int, torch.SymInt))
 
 
 def _check_mask(mask, allowed: frozenset, memo: dict, at: fx.Node) -> None:
     _expect(isinstance(mask, fx.Node), at, "an attention mask over the cache read (without one, transformers attends "
             "to every row of the read, unwritten ones included)")
-    foreign = sorted(n.name for n in _placeholders(mask, memo) - allowed if not _is_size(n))
+    foreign = sorted(n.name for n in _placeholders(mask, memo) - allowed)
     _expect(not foreign, mask, f"a mask computed from the cache's lengths only; it reads the inputs {foreign} (a padding "
             "mask? dcp_compile takes unpadded batches)")
 
@@ -390,9 +394,14 @@ class AbsorbMLA(GraphPass):
 
     name = "absorb_mla"
 
+    def __init__(self):
+        self.left_as_is: list[str] = []
+        """At dcp_size 1, the layers left to transformers' own attention (why each did not match)."""
+
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         graph = gm.graph
         sites, failures = find_sites(graph)
+        self.left_as_is.extend(describe_failure(v, m) for v, m in failures)
         if failures and config.dcp_size > 1:
             raise AbsorbError(
                 f"dcp_size {config.dcp_size}: {len(failures)} of {len(sites) + len(failures)} attention layers over the "

@@ -11,7 +11,8 @@ longer belong to one sequence. Two guarantees, for a group of more than one rank
   other ranks' generators are restored afterwards, so a per-rank seed still serves the rank's own
   work.
 - `check_step()`, at every step before anything runs: one all-gather of a few ints per step (the
-  input's shape, the cache's rows, width and length, and a checksum of the token ids). Ranks that
+  input's shape, the cache's rows, width and length, and a checksum of the token ids and the
+  attention mask's padding). Ranks that
   differ (other shapes, another cache position, other tokens: a sample drawn apart, prompts of
   other lengths) get the same ValueError on every rank, naming what each was given.
   `check_generate()` does the same for a generate() call (its prompt, length and decoding) before
@@ -68,11 +69,16 @@ class GroupAgreement:
     def _group(self):
         return dist.distributed_c10d._resolve_process_group(self.group_name)
 
-    def check_step(self, inputs: torch.Tensor, input_ids: torch.Tensor | None, cache) -> None:
+    def check_step(self, inputs: torch.Tensor, input_ids: torch.Tensor | None, cache,
+                   attention_mask: torch.Tensor | None = None) -> None:
         """Raise the same ValueError on every rank unless every rank of the group was given this
-        step's shapes, cache position and token ids. `inputs`: input_ids, or inputs_embeds."""
+        step's shapes, cache position and token ids (and padding, where a mask is given).
+        `inputs`: input_ids, or inputs_embeds."""
         if self.dcp_size > 1:
-            self._agree(0, _step_fields(inputs, input_ids, cache) + [_checksum(input_ids)])
+            checksum = _checksum(input_ids)
+            if attention_mask is not None:
+                checksum = (checksum + 2 * _checksum(attention_mask.bool())) % CHECKSUM_PRIME
+            self._agree(0, _step_fields(inputs, input_ids, cache) + [checksum])
 
     def check_generate(self, input_ids: torch.Tensor, generated_length: int, settings: dict[str, int]) -> None:
         """Raise the same ValueError on every rank unless every rank's generate() call agrees (its

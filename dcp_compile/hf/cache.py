@@ -13,9 +13,11 @@ Layout. A cache of `batch_size` rows of `max_length` positions takes batch_size 
 locations of the pool from the pool's allocator (dcp_compile/hf/locations.py), disjoint from every
 other live cache's, and gives them back when it is released or garbage collected; row b,
 position p is `req_to_token[b, p]` (location 0 stays reserved for padding). A cache serves one
-batch of equal-length rows from position 0: the length counter is one 0-d tensor per layer, as in
-transformers' StaticLayer (a graph input updated in place, so one graph serves every decode
-step). `get_mask_sizes` reports `max_length` keys, so transformers' mask is [B, 1, T, max_length]
+batch of rows from position 0: the length counter (columns written) is one 0-d tensor per layer,
+as in transformers' StaticLayer (a graph input updated in place, so one graph serves every decode
+step); a left-padded batch gives each row its padding (`pads`, set by the first step), columns
+never written, so that row b's tokens sit at positions column - pads[b] and its length is the
+columns written less its padding. `get_mask_sizes` reports `max_length` keys, so transformers' mask is [B, 1, T, max_length]
 and the view's rows past the length are never attended.
 
 What the caller (dcp_compile/hf/model.py) checks before each step, on the host: the step fits in
@@ -50,9 +52,9 @@ class DCPCacheLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, pool: MLAKVPool, layer: int, req_to_token: torch.Tensor):
+    def __init__(self, pool: MLAKVPool, layer: int, req_to_token: torch.Tensor, pads: torch.Tensor):
         super().__init__()
-        self.pool, self.layer, self.req_to_token = pool, layer, req_to_token
+        self.pool, self.layer, self.req_to_token, self.pads = pool, layer, req_to_token, pads
         self.batch_size, self.max_length = req_to_token.shape
         self.device = req_to_token.device
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -62,8 +64,10 @@ class DCPCacheLayer(CacheLayerMixin):
         """Nothing to allocate: the pool holds the rows."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the step's latent [B, 1, T, R] and rope [B, 1, T, P] at the next T positions of
+        """Write the step's latent [B, 1, T, R] and rope [B, 1, T, P] at the next T columns of
         every row; return the pool's rows of this batch, (latent [B, 1, L, R], rope [B, 1, L, P]).
+        Row b's first `pads[b]` columns are its left padding: never written (location 0, which
+        the write skips), and its tokens sit at positions column - pads[b].
 
         Only inside dcp_compile's compiled step: there transformers always builds the causal
         mask (the length is a traced tensor); run eagerly, it skips the mask of a one-token
@@ -74,11 +78,14 @@ class DCPCacheLayer(CacheLayerMixin):
         batch, _, tokens, rank_dim = key_states.shape
         rope_dim = value_states.shape[-1]
         # Everything derived from the length is computed before the in-place add below.
-        positions = self.cumulative_length + torch.arange(tokens, device=self.device)
-        seq_lens = (self.cumulative_length + tokens).expand(batch)
+        columns = self.cumulative_length + torch.arange(tokens, device=self.device)
+        positions = columns.unsqueeze(0) - self.pads.unsqueeze(1)  # [B, T]; < 0 on padding
+        written = positions >= 0
+        positions = positions.clamp_min(0)
+        seq_lens = self.cumulative_length + tokens - self.pads
         q_seq_ids = torch.arange(batch, device=self.device).repeat_interleave(tokens)
-        q_positions = positions.repeat(batch)
-        loc = self.req_to_token.index_select(1, positions).reshape(-1)
+        q_positions = positions.reshape(-1)
+        loc = torch.where(written, self.req_to_token.gather(1, positions), 0).reshape(-1)
         cache = self.pool.cache(self.layer)
         ops.mla_kv_write(cache, key_states.reshape(batch * tokens, rank_dim),
                          value_states.reshape(batch * tokens, rope_dim), loc)
@@ -133,9 +140,20 @@ class DCPCache(Cache):
         self._finalizer = weakref.finalize(self, locations.release_later, allocation)
         self._release = lambda: locations.release(allocation)
         req_to_token = taken.to(pool.device).view(batch_size, max_length)
-        super().__init__(layers=[DCPCacheLayer(pool, i, req_to_token) for i in range(pool.num_layers)])
+        pads = torch.zeros(batch_size, dtype=torch.int64, device=pool.device)
+        super().__init__(layers=[DCPCacheLayer(pool, i, req_to_token, pads) for i in range(pool.num_layers)])
         self.pool, self.max_length = pool, max_length
+        self.pads = [0] * batch_size
+        """Each row's left padding (columns before its first token), set by its first step."""
         self.released = False
+
+    def set_padding(self, pads: list[int]) -> None:
+        """Each row's left padding, before the first step: those columns are never written and
+        the row's positions start after them."""
+        if self.length():
+            raise ValueError("a cache's padding is set by its first step: this one holds tokens already")
+        self.pads = list(pads)
+        self.layers[0].pads.copy_(torch.tensor(self.pads, dtype=torch.int64))
 
     def length(self) -> int:
         """Positions written so far (every layer alike), read on the host."""

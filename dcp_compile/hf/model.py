@@ -128,16 +128,17 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
     binding = bind(config, pool, model, replicated=True, who="the transformers front end")
     groups = parallel.build_replicated(config.dcp_size)
     binding.shard_pool(groups.dcp_rank, kv_keep)
-    return DCPTransformersModel(model, DCPState.build(binding, groups, front_end_passes=[AbsorbMLA()]))
+    absorb = AbsorbMLA()
+    return DCPTransformersModel(model, DCPState.build(binding, groups, front_end_passes=[absorb]), absorb)
 
 
 class DCPTransformersModel(nn.Module):
     """What apply returns for a transformers model: generate() and forward() as transformers'
     own, running the DCP step. `model` is the wrapped transformers model."""
 
-    def __init__(self, model: nn.Module, state: DCPState):
+    def __init__(self, model: nn.Module, state: DCPState, absorb: AbsorbMLA):
         super().__init__()
-        self.model, self.dcp_state = model, state
+        self.model, self.dcp_state, self._absorb = model, state, absorb
         self.cache_kwarg = cache_kwarg(model)
         forward = type(model).forward.__get__(model)
         self._signature = inspect.signature(forward)
@@ -248,10 +249,22 @@ class DCPTransformersModel(nn.Module):
             inputs = input_ids if input_ids is not None else call.get("inputs_embeds")
             if inputs is None:
                 raise ValueError("a DCP step needs input_ids or inputs_embeds")
-            self._agreement.check_step(inputs, input_ids, call.get(self.cache_kwarg))
+            self._agreement.check_step(inputs, input_ids, call.get(self.cache_kwarg), call.get("attention_mask"))
             call = self._checked(call)
+            padded = any(call[self.cache_kwarg].pads)
+            self._check_padding_is_served(padded)
             symbolic = not self.dcp_state.lowering.static_shapes(self._strategy, self.dcp_state.config.inner_compile)
-            return self._compiled_step.run(self._strategy, (), call, symbolic=symbolic and self._symbolic_lengths)
+            out = self._compiled_step.run(self._strategy, (), call, symbolic=symbolic and self._symbolic_lengths)
+            self._check_padding_is_served(padded)  # a layer this step's compile left as it is
+            return out
+
+    def _check_padding_is_served(self, padded: bool) -> None:
+        """Padding is each row's own length in the absorbed attention; a layer left to transformers'
+        own attention (dcp_size 1 only) would attend over the padding."""
+        if padded and self._absorb.left_as_is:
+            raise ValueError("a left-padded batch needs every attention layer rewritten into absorbed MLA (it serves "
+                             "the padding as each row's own length); at dcp_size 1 these were left to transformers' "
+                             "attention, which would attend to the padding:\n" + "\n".join(self._absorb.left_as_is))
 
     def _symbolic_lengths(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The step's rows and tokens and its cache's rows and width marked dynamic, so that one
@@ -259,9 +272,10 @@ class DCPTransformersModel(nn.Module):
         a one-token step is the decode graph, a one-row batch has graphs of its own)."""
         name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
         kwargs = dict(kwargs, **{name: kwargs[name].detach()})  # a mark sticks: never on the caller's tensor
-        for tensor in (kwargs[name], kwargs[self.cache_kwarg].layers[0].req_to_token):
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        cache = kwargs[self.cache_kwarg]
+        for tensor in (kwargs[name], kwargs["position_ids"], cache.layers[0].req_to_token, cache.layers[0].pads):
+            for dim in range(min(tensor.dim(), 2)):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
         return args, kwargs
 
     def check_errors(self) -> None:
@@ -311,19 +325,38 @@ class DCPTransformersModel(nn.Module):
                              f"{cache.max_length}")
         mask = call.get("attention_mask")
         if mask is not None:
-            if mask.dim() != 2 or tuple(mask.shape) != (batch, length + tokens) or not bool(mask.bool().all()):
-                raise ValueError(f"attention_mask of shape {tuple(mask.shape)}: a DCP step takes unpadded rows of equal "
-                                 f"length, a [{batch}, {length + tokens}] mask of ones (or none)")
+            self._read_padding(mask, cache, batch, length, tokens)
             call["attention_mask"] = None
+        # Each row's positions: its columns less its left padding (0 on the padding, never written).
+        columns = torch.arange(length, length + tokens).unsqueeze(0)
+        expected = columns - torch.tensor(cache.pads).unsqueeze(1)
         positions = call.get("position_ids")
         if positions is not None:
-            expected = torch.arange(length, length + tokens, device=positions.device)
-            if positions.shape[-1] != tokens or not bool((positions == expected).all()):
-                raise ValueError(f"position_ids {positions.tolist()}: a DCP step's tokens sit at the cache's positions "
-                                 f"{length}..{length + tokens - 1} of every row")
-            call["position_ids"] = None
+            given = positions.cpu().expand(batch, -1) if positions.dim() == 2 else None
+            if given is None or given.shape[-1] != tokens or not bool(((given == expected) | (expected < 0)).all()):
+                raise ValueError(f"position_ids {positions.tolist()}: a DCP step's tokens sit at the cache's positions, "
+                                 f"{expected.clamp_min(0).tolist()} (row by row, after each row's left padding)")
+        call["position_ids"] = expected.clamp_min(0).to(inputs.device)
         call[self.cache_kwarg] = cache
         return call
+
+    @staticmethod
+    def _read_padding(mask: torch.Tensor, cache: DCPCache, batch: int, length: int, tokens: int) -> None:
+        """Left padding from the attention mask: each row's zeros, then its ones. The first step of
+        a cache sets each row's padding; a later step's mask must show the same."""
+        if mask.dim() != 2 or tuple(mask.shape) != (batch, length + tokens):
+            raise ValueError(f"attention_mask of shape {tuple(mask.shape)}: a DCP step takes a [{batch}, "
+                             f"{length + tokens}] mask (rows x the cache's columns and this step's tokens), or none")
+        kept = mask.bool().cpu()
+        pads = (~kept).sum(1) if length == 0 else torch.tensor(cache.pads)
+        left_padded = torch.arange(length + tokens).unsqueeze(0) >= pads.unsqueeze(1)
+        if not torch.equal(kept, left_padded) or bool((pads >= length + tokens).any()):
+            raise ValueError(f"attention_mask {mask.int().tolist()}: a DCP step serves left padding only (each row's "
+                             "padding before its tokens, the same from a cache's first step on, and at least one token "
+                             "a row), as generate() pads a batch of prompts for a decoder-only model (tokenizer "
+                             "padding_side='left')")
+        if length == 0 and bool(pads.any()):
+            cache.set_padding(pads.tolist())
 
     def _check_token_ids(self, input_ids: torch.Tensor) -> None:
         vocab_size = self.model.config.get_text_config(decoder=True).vocab_size

@@ -110,9 +110,31 @@ def group_steps(rank: int, world: int) -> dict:
         results["sampling_differs"] = _outcome(lambda: model.generate(first, max_new_tokens=NEW_TOKENS,
                                                                       do_sample=rank == 0))
     results["outer_compile"] = _outer_compile(reference, first, world)
+    results["left_padded"] = _left_padded_batch(world)
     results["after_refused_calls"] = _difference(_generate(model, second, do_sample=False),
                                                  _generate(reference, second, do_sample=False))
     return results
+
+
+def _left_padded_batch(world: int) -> dict:
+    """Prompts of 1, 7 and 20 tokens in one left-padded batch, the mask built by generate() from
+    the pad token: transformers' tokens and logits, and the KV rows this rank stores (the
+    padding never written)."""
+    from tests.hf.test_caches_and_generate import _left_padded
+
+    reference = tiny_model()
+    for config in (reference.config, reference.generation_config):
+        config.pad_token_id = 0
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=world, kv_capacity=256)
+    _, input_ids, mask = _left_padded((1, 7, 20))
+    with torch.no_grad():
+        got = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        want = _generate(reference, input_ids, do_sample=False, attention_mask=mask)
+    stored = int((dcp_compile.state(model).kv_pool.cache(0) != 0).any(dim=-1).sum())
+    return dict(_difference((got.sequences, torch.stack(got.logits), torch.stack(got.logits)),
+                            (want[0], want[1], want[1])),
+                stored=stored, tokens=int(mask.sum()) + 3 * (NEW_TOKENS - 1))  # the last token is not written
 
 
 def _outer_compile(reference, input_ids, world: int) -> dict:

@@ -146,8 +146,8 @@ def test_generate_refuses_by_name(models):
 
 def test_generate_without_an_attention_mask_sees_the_padding(models):
     """apply keeps the wrapped forward's signature: generate() builds the attention mask from the
-    pad token (a left-padded batch is then refused by name, where it used to give other tokens
-    than transformers) and asks for the last position's logits only."""
+    pad token (a left-padded batch used to run unmasked and give other tokens than transformers)
+    and asks for the last position's logits only."""
     import inspect
 
     reference, model = models
@@ -158,9 +158,8 @@ def test_generate_without_an_attention_mask_sees_the_padding(models):
     input_ids = prompt().clamp(min=1)
     _assert_matches(_generate(model, input_ids, do_sample=False), _generate(reference, input_ids, do_sample=False))
     padded = input_ids.clone()
-    padded[1, :2] = 0
-    with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 5\): a DCP step takes unpadded rows"):
-        model.generate(padded, max_new_tokens=2, do_sample=False)
+    padded[1, :2] = 0  # left padding, which generate() masks from the pad token
+    _assert_matches(_generate(model, padded, do_sample=False), _generate(reference, padded, do_sample=False))
 
 
 def test_a_thousand_prompt_lengths_compile_two_graphs():
@@ -182,8 +181,10 @@ def test_a_thousand_prompt_lengths_compile_two_graphs():
                 assert torch.equal(tokens, reference.generate(input_ids, max_new_tokens=2, do_sample=False)), length
                 compared += 1
     assert compared == 23
-    graphs = len(dcp_compile.state(model).reports)
+    state = dcp_compile.state(model)
+    graphs = len(state.reports)
     assert graphs <= 4, graphs  # (1 row | 3 rows) x (prefill | one-token decode)
+    assert state.pass_summary()["absorb_mla"] == 2 * graphs  # symbolic sizes: every layer still absorbed
 
 
 def test_what_a_new_user_tries_is_served_or_refused_by_name(models):
@@ -221,3 +222,42 @@ def test_what_a_new_user_tries_is_served_or_refused_by_name(models):
     dynamic = tiny_model(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(ValueError, match=r"rope_type 'dynamic' \(dynamic NTK\) .* a branch on the data"):
         dcp_compile.apply(dynamic, dcp_size=1)
+
+
+def _left_padded(lengths, vocab=64, seed=4):
+    """Prompts of `lengths`, left-padded with token 0 into one batch: (prompts, input_ids, mask)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (n,), generator=generator) for n in lengths]
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, tokens in enumerate(prompts):
+        input_ids[row, width - len(tokens):], mask[row, width - len(tokens):] = tokens, 1
+    return prompts, input_ids, mask
+
+
+def test_a_left_padded_batch_gives_each_row_its_own_tokens():
+    """Prompts of 1, 7 and 20 tokens in one left-padded batch: each row's padding is its own
+    length in the cache (never written, positions after it), so every row gets the tokens and
+    logits transformers gives the padded batch, and those of its prompt alone; with the mask
+    passed, and built by generate() from the pad token. Every layer runs the absorbed attention.
+    A mask that is not left padding is refused by name (it used to refuse every padded batch)."""
+    from tests.hf.models import tiny_model
+
+    reference = tiny_model()
+    for config in (reference.config, reference.generation_config):
+        config.pad_token_id = 0
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kv_capacity=256)
+    prompts, input_ids, mask = _left_padded((1, 7, 20))
+    want = _generate(reference, input_ids, attention_mask=mask, do_sample=False)
+    _assert_matches(_generate(model, input_ids, attention_mask=mask, do_sample=False), want)
+    _assert_matches(_generate(model, input_ids, do_sample=False), want)
+    for row, tokens in enumerate(prompts):
+        alone = _generate(reference, tokens[None], do_sample=False)
+        assert torch.equal(alone[0][0, len(tokens):], want[0][row, input_ids.shape[1]:])
+        assert float((alone[1][:, 0] - want[1][:, row]).abs().max()) < 1e-5
+    state = dcp_compile.state(model)
+    assert state.pass_summary()["absorb_mla"] == 2 * len(state.reports)  # 2 layers in every graph
+    right_padded = mask.flip(1)
+    with pytest.raises(ValueError, match=r"a DCP step serves left padding only .*padding_side='left'"):
+        model.generate(input_ids.flip(1), attention_mask=right_padded, max_new_tokens=2, do_sample=False)

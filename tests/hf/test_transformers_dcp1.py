@@ -160,10 +160,10 @@ def test_refused_before_any_step():
     with pytest.raises(ValueError, match="already passed to dcp_compile.apply"):
         dcp_compile.apply(original)
     input_ids = prompt()
-    padded = torch.ones_like(input_ids)
-    padded[0, 0] = 0
-    with pytest.raises(ValueError, match="unpadded rows"):
-        model.generate(input_ids, attention_mask=padded, max_new_tokens=2, do_sample=False)
+    holed = torch.ones_like(input_ids)
+    holed[0, 2] = 0  # a masked token between two kept ones: not left padding
+    with pytest.raises(ValueError, match="serves left padding only"):
+        model.generate(input_ids, attention_mask=holed, max_new_tokens=2, do_sample=False)
     with pytest.raises(ValueError, match="cache's positions"):
         model(input_ids, position_ids=torch.arange(1, 6)[None])
     with pytest.raises(ValueError, match="own KV pool"):

@@ -169,3 +169,11 @@ def test_torch_compile_around_the_applied_model_keeps_dcp(group):
     for result in group:
         assert result["outer_compile"]["worst"] < 1e-5
     assert sum(stored) == group[0]["outer_compile"]["tokens"] and max(stored) - min(stored) <= 1
+
+
+def test_a_left_padded_batch_matches_transformers_with_the_padding_never_stored(group):
+    """Prompts of 1, 7 and 20 tokens, left-padded: transformers' tokens and logits on every rank,
+    and the ranks together store each row's own tokens only."""
+    for result in group:
+        _matches_transformers(result["left_padded"])
+    assert sum(result["left_padded"]["stored"] for result in group) == group[0]["left_padded"]["tokens"]
