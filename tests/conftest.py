@@ -99,7 +99,7 @@ BY_PREFIX = {
         # the quick tier keeps one DeepSeek-V3 and one V2 variant of the front end's generate
         *(f"tests/hf/test_transformers_dcp1.py::test_generate_matches_transformers[{variant}]" for variant in
           ("v3-eager", "v3-qlora-rotate-half-yarn", "v2-sdpa-qlora", "glm4-moe-lite", "minicpm3-eager", "youtu",
-           "sarvam-mla")),
+           "sarvam-mla", "kimi-linear")),
         # the quick tier keeps DCP 2
         "tests/npu/test_native_lowering.py::test_a_native_graph_holds_no_triton_op[*-dcp1]",
         "tests/npu/test_a5_options.py::test_each_combination_equals_the_default",

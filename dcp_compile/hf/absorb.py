@@ -92,6 +92,12 @@ def _shape(node) -> tuple:
     return tuple(value.shape)
 
 
+def _is_size_read(node: fx.Node) -> bool:
+    """A use that reads only a tensor's sizes (x.size(), x.shape[i], sym_size), never its values."""
+    return _is_size(node) or _is(node, methods=("size", "dim")) or (
+        node.op == "call_function" and node.target is getattr and node.args[1:] == ("shape",))
+
+
 def _only_user(node: fx.Node, expected: str) -> fx.Node:
     users = list(node.users)
     _expect(len(users) == 1, node, f"exactly one use: {expected} (found {len(users)})")
@@ -114,8 +120,10 @@ class AbsorbSite:
     view: fx.Node
     output: fx.Node
     """The attention's output [B, H, T, v] (SDPA's, or the eager form's last matmul)."""
-    q_nope: fx.Node
-    q_rope: fx.Node
+    q_nope: fx.Node | None
+    q_rope: fx.Node | None
+    """The query's two parts where it is a cat of them; None where the query is one tensor (Kimi-Linear's
+    MLA), which the rewrite slices."""
     weight: fx.Node
     """kv_b_proj's weight [H*(n+v), R]."""
     sm_scale: float
@@ -126,6 +134,8 @@ class AbsorbSite:
     rope_dim: int
     matched: list[fx.Node]
     """Every node of the pattern, erased once the replacement is in place."""
+    query: fx.Node | None = None
+    """The query the attention read [B, H, T, n + P]."""
 
     @property
     def layer(self) -> str:
@@ -279,7 +289,9 @@ def match_site(view: fx.Node, allowed: frozenset, memo: dict) -> AbsorbSite:
     batch, _, width, _ = _shape(latent)
     rope_dim = _shape(rope)[-1]
 
-    linear = _only_user(latent, "the kv_b_proj linear over the cached latent")
+    readers = [u for u in latent.users if not _is_size_read(u)]  # Kimi-Linear's expand_kv reads kv_nope.shape
+    _expect(len(readers) == 1, latent, f"exactly one use: the kv_b_proj linear over the cached latent (found {len(readers)})")
+    linear = readers[0]
     _expect(_is(linear, LINEAR) and linear.args[0] is latent, linear, "linear(latent, kv_b_proj.weight)")
     weight, bias = _arg(linear, 1, "weight"), _arg(linear, 2, "bias")
     _expect(isinstance(weight, fx.Node) and bias is None, linear, "a bias-free linear")
@@ -314,19 +326,24 @@ def match_site(view: fx.Node, allowed: frozenset, memo: dict) -> AbsorbSite:
     _expect(_shape(key) == (batch, heads, width, nope_dim + rope_dim), key, "a key [B, H, L, n + P]")
 
     output, query, scale, attention_nodes = _match_attention(key, value, allowed, memo)
-    _expect(_is(query, CAT) and _last_dim(_arg(query, 1, "dim", 0), 4) and len(_arg(query, 0, "tensors")) == 2, query,
-            "the query cat((q_nope, q_rope), dim=-1)")
-    q_nope, q_rope = _arg(query, 0, "tensors")
     tokens = _shape(query)[2]
-    _expect(_shape(q_nope) == (batch, heads, tokens, nope_dim), q_nope, f"q_nope [B, H={heads}, T, n={nope_dim}]")
-    _expect(_shape(q_rope) == (batch, heads, tokens, rope_dim), q_rope, f"q_rope [B, H={heads}, T, P={rope_dim}]")
+    _expect(_shape(query) == (batch, heads, tokens, nope_dim + rope_dim), query,
+            f"a query [B, H={heads}, T, n + P={nope_dim + rope_dim}]")
+    q_nope = q_rope = None  # a query of one tensor: the rewrite reads its two parts
+    if _is(query, CAT):
+        _expect(_last_dim(_arg(query, 1, "dim", 0), 4) and len(_arg(query, 0, "tensors")) == 2, query,
+                "the query cat((q_nope, q_rope), dim=-1)")
+        q_nope, q_rope = _arg(query, 0, "tensors")
+        _expect(_shape(q_nope) == (batch, heads, tokens, nope_dim), q_nope, f"q_nope [B, H={heads}, T, n={nope_dim}]")
+        _expect(_shape(q_rope) == (batch, heads, tokens, rope_dim), q_rope, f"q_rope [B, H={heads}, T, P={rope_dim}]")
     _expect(_shape(view.args[3])[0] == batch * tokens, view, f"one query id per step token (B*T = {batch * tokens})")
     _expect(_shape(output) == (batch, heads, tokens, value_dim), output, f"an attention output [B, H, T, v={value_dim}]")
     query_users = set(query.users) - set(attention_nodes)
     _expect(not query_users, query, "the query read only by the attention")
     matched = [view, latent, rope, linear, per_head, heads_first, split, k_nope, value, k_rope, *key_nodes,
-               *attention_nodes, query]
-    return AbsorbSite(view, output, q_nope, q_rope, weight, scale, heads, nope_dim, value_dim, rank_dim, rope_dim, matched)
+               *attention_nodes, *([query] if q_nope is not None else [])]
+    return AbsorbSite(view, output, q_nope, q_rope, weight, scale, heads, nope_dim, value_dim, rank_dim, rope_dim, matched,
+                      query)
 
 
 def find_sites(graph: fx.Graph) -> tuple[list[AbsorbSite], list[tuple[fx.Node, _Mismatch]]]:
@@ -355,6 +372,12 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     copy_ into the erased key is read by nobody and goes with it (dead-code elimination keeps
     every in-place write, so it would keep the linear over the cache read alive)."""
     pending = list(dict.fromkeys(nodes))
+    # Shape reads of the pattern's tensors (x.shape[:-1] for new_empty) go with them once unread.
+    for node in list(pending):
+        for reader in node.users:
+            if _is_size_read(reader):
+                pending += [reader, *(item for item in reader.users if item.target is operator.getitem)]
+    pending = list(dict.fromkeys(pending))
     while True:
         dead = [node for node in pending if not node.users]
         if not dead:
@@ -364,18 +387,51 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
             pending.remove(node)
 
 
+def _replace_size_reads(graph: fx.Graph, site: AbsorbSite, req_to_token: fx.Node) -> None:
+    """Sizes read off the cached latent [B, 1, L, R] (Kimi-Linear's expand_kv reads kv_nope.shape),
+    read off the page table [B, L] instead, so that the cache read can go."""
+    latent = next(u for u in site.view.users if u.args[1] == 0)
+    with graph.inserting_after(site.view):
+        sizes = {0: size_of(graph, req_to_token, 0), 1: 1, 2: size_of(graph, req_to_token, 1), 3: site.rank_dim}
+    for reader in [u for u in latent.users if _is_size_read(u)]:
+        if _is(reader, methods=("dim",)):
+            _replace_value(reader, 4)
+        elif _is(reader, methods=("size",)) and len(reader.args) > 1:
+            _replace_value(reader, sizes[reader.args[1] % 4])
+        elif reader.op == "call_function" and reader.target is torch.ops.aten.sym_size.int:
+            _replace_value(reader, sizes[reader.args[1] % 4])
+        else:  # x.size() or x.shape, read by index
+            for item in list(reader.users):
+                _expect(item.target is operator.getitem and isinstance(item.args[1], int), item,
+                        "the cached latent's shape read by index")
+                _replace_value(item, sizes[item.args[1] % 4])
+                graph.erase_node(item)
+        graph.erase_node(reader)
+
+
+def _replace_value(node: fx.Node, value) -> None:
+    for user in list(node.users):
+        user.args = fx.map_arg(user.args, lambda n: value if n is node else n)
+        user.kwargs = fx.map_arg(user.kwargs, lambda n: value if n is node else n)
+
+
 def rewrite_site(graph: fx.Graph, site: AbsorbSite) -> fx.Node:
     cache, req_to_token, seq_lens, q_seq_ids, q_positions, _ = site.view.args
+    _replace_size_reads(graph, site, req_to_token)
     heads, nope, value, rank, rope = site.heads, site.nope_dim, site.value_dim, site.rank_dim, site.rope_dim
     with graph.inserting_before(site.output):
         # Sizes as graph values: a symbolic batch or token count is a sym_size node, never a raw SymInt.
-        batch, tokens = size_of(graph, site.q_nope, 0), size_of(graph, site.q_nope, 2)
+        batch, tokens = size_of(graph, site.query, 0), size_of(graph, site.query, 2)
+        q_nope, q_rope = site.q_nope, site.q_rope
+        if q_nope is None:
+            q_nope = call(graph, aten.slice.Tensor, site.query, 3, 0, nope)
+            q_rope = call(graph, aten.slice.Tensor, site.query, 3, nope, nope + rope)
         weight = call(graph, aten.view.default, site.weight, [heads, nope + value, rank])
         w_uk = call(graph, aten.slice.Tensor, weight, 1, 0, nope)
         w_uv = call(graph, aten.slice.Tensor, weight, 1, nope, nope + value)
-        q_latent = call(graph, aten.einsum.default, "bhtn,hnr->bthr", [site.q_nope, w_uk])
+        q_latent = call(graph, aten.einsum.default, "bhtn,hnr->bthr", [q_nope, w_uk])
         q_latent = call(graph, aten.reshape.default, q_latent, [-1, heads, rank])
-        q_rope = call(graph, aten.permute.default, site.q_rope, [0, 2, 1, 3])
+        q_rope = call(graph, aten.permute.default, q_rope, [0, 2, 1, 3])
         q_rope = call(graph, aten.reshape.default, call(graph, aten.clone.default, q_rope,
                                                         memory_format=torch.contiguous_format),
                       [-1, heads, rope])

@@ -45,7 +45,7 @@ VECTOR = 1 + max(len(STEP_FIELDS), len(GENERATE_FIELDS))
 def _step_fields(inputs: torch.Tensor, input_ids: torch.Tensor | None, cache) -> list[int]:
     rows, width, length = (-1, -1, -1)
     if isinstance(cache, DCPCache):
-        rows, width, length = cache.layers[0].batch_size, cache.max_length, cache.length()
+        rows, width, length = cache.rows, cache.max_length, cache.length()
     return [inputs.shape[0], inputs.shape[1] if inputs.dim() > 1 else -1, int(input_ids is not None),
             int(input_ids is not None and not input_ids.is_floating_point() and input_ids.dtype != torch.bool),
             rows, width, length]

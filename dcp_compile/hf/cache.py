@@ -119,11 +119,21 @@ class DCPCacheLayer(CacheLayerMixin):
         _refuse("batch_select_indices")
 
 
-class DCPCache(Cache):
-    """A cache for `batch_size` rows of up to `max_length` positions each, over every layer of
-    `pool` (transformers' layer i is the pool's layer i)."""
+LINEAR_ATTENTION = "linear_attention"
+"""transformers' layer type of a linear-attention layer (Kimi-Linear's KDA): its conv and recurrent
+state, a fixed size per row, is kept on every rank as transformers keeps it."""
 
-    def __init__(self, pool: MLAKVPool, batch_size: int, max_length: int):
+
+class DCPCache(Cache):
+    """A cache for `batch_size` rows of up to `max_length` positions each. `layer_types`: the
+    model's (config.layer_types), for a hybrid model; each attention layer takes the next layer of
+    `pool`, each linear-attention layer is transformers' own LinearAttentionLayer. Without it,
+    transformers' layer i is the pool's layer i."""
+
+    def __init__(self, pool: MLAKVPool, batch_size: int, max_length: int, layer_types: list[str] | None = None):
+        kinds = list(layer_types) if layer_types else ["full_attention"] * pool.num_layers
+        if sum(kind != LINEAR_ATTENTION for kind in kinds) != pool.num_layers:
+            raise ValueError(f"layer types {kinds}: {pool.num_layers} attention layers in the pool")
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"a DCP cache needs batch_size >= 1 and max_length >= 1, got {batch_size} and {max_length}")
         needed = 1 + batch_size * max_length
@@ -141,8 +151,20 @@ class DCPCache(Cache):
         self._release = lambda: locations.release(allocation)
         req_to_token = taken.to(pool.device).view(batch_size, max_length)
         pads = torch.zeros(batch_size, dtype=torch.int64, device=pool.device)
-        super().__init__(layers=[DCPCacheLayer(pool, i, req_to_token, pads) for i in range(pool.num_layers)])
-        self.pool, self.max_length = pool, max_length
+        layers, attention = [], 0
+        for kind in kinds:
+            if kind == LINEAR_ATTENTION:
+                from transformers.cache_utils import LinearAttentionLayer
+
+                layers.append(LinearAttentionLayer())
+            else:
+                layers.append(DCPCacheLayer(pool, attention, req_to_token, pads))
+                attention += 1
+        super().__init__(layers=layers)
+        self.pool, self.max_length, self.rows = pool, max_length, batch_size
+        self.req_to_token, self.pad_tensor = req_to_token, pads
+        self._counter = next(layer for layer in layers if isinstance(layer, DCPCacheLayer)).cumulative_length
+        self.hybrid = len(layers) > attention
         self.pads = [0] * batch_size
         """Each row's left padding (columns before its first token), set by its first step."""
         self.released = False
@@ -153,11 +175,11 @@ class DCPCache(Cache):
         if self.length():
             raise ValueError("a cache's padding is set by its first step: this one holds tokens already")
         self.pads = list(pads)
-        self.layers[0].pads.copy_(torch.tensor(self.pads, dtype=torch.int64))
+        self.pad_tensor.copy_(torch.tensor(self.pads, dtype=torch.int64))
 
     def length(self) -> int:
         """Positions written so far (every layer alike), read on the host."""
-        return int(self.layers[0].cumulative_length)
+        return int(self._counter)
 
     def release(self) -> None:
         """Give this cache's KV locations back to the pool now (dropping every reference to the

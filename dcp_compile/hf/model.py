@@ -19,8 +19,10 @@ What apply does here:
 
 What the step refuses, before any graph runs: a transformers cache (it would hold the whole KV
 on every rank), a cache released or of another pool, token ids that are not integers in
-[0, vocab_size), an attention mask that pads anything, position ids other than the cache's
-positions, a step past the cache's `max_length`. Under DCP the ranks' steps must agree (shapes,
+[0, vocab_size), an attention mask other than left padding (a left-padded batch is served: each
+row's padding is its own length in the cache), position ids other than the cache's positions, a
+step past the cache's `max_length`, hidden states and attention weights as outputs. The step's
+rows, tokens and cache width are symbolic: one graph serves every prompt length. Under DCP the ranks' steps must agree (shapes,
 cache position, token ids: dcp_compile/hf/agreement.py), and a sampling generate() draws every
 rank's token with the group's first rank's generator. generate() serves greedy and sampled
 decoding, num_return_sequences and classifier-free guidance (guidance_scale), and refuses beam
@@ -44,13 +46,13 @@ from dcp_compile.compiled_step import CompiledStep, DCPState
 from dcp_compile.config import DCPConfig
 from dcp_compile.hf.absorb import AbsorbError, AbsorbMLA
 from dcp_compile.hf.agreement import GroupAgreement
-from dcp_compile.hf.cache import DCPCache
+from dcp_compile.hf.cache import LINEAR_ATTENTION, DCPCache
 from dcp_compile.hf.locations import allocator
 from dcp_compile.strategy import REPLICATED_Q
 from dcp_compile.runtime import parallel
 from dcp_compile.runtime.kv_pool import MLAKVPool
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "sarvam_mla")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "sarvam_mla", "kimi_linear")
 """transformers model types whose attention the absorb pass knows: DeepSeek-V3 (Kimi-K2 and
 Moonlight load as it) and V2, and the families whose attention is DeepSeek's MLA block
 (GLM-4-MoE-Lite, MiniCPM3, Youtu, Sarvam-MLA); each is tested against transformers (tests/hf)."""
@@ -69,6 +71,18 @@ def _unserved_output(name: str) -> str:
            "transformers records them with hooks on the decoder layers, which the DCP step (the forward compiled whole "
            "with fullgraph) cannot trace")
     return f"{name}=True: {why}; leave {name} at False (its default)"
+
+
+def _layer_types(text) -> list[str] | None:
+    """A hybrid model's layer types (attention, or linear attention: Kimi-Linear), else None."""
+    kinds = getattr(text, "layer_types", None)
+    if not kinds:
+        return None
+    kinds = list(kinds)[:text.num_hidden_layers]
+    other = sorted(set(kinds) - {"full_attention", LINEAR_ATTENTION})
+    if other:
+        raise ValueError(f"layer types {other}: the front end serves full attention (MLA) and linear attention layers")
+    return kinds
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -123,7 +137,8 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
                            "ranks (init_process_group on every rank, or dcp_compile.runtime.launch)")
     text = model.config.get_text_config(decoder=True)
     capacity = kv_capacity if kv_capacity is not None else 1 + text.max_position_embeddings
-    pool = MLAKVPool(text.num_hidden_layers, capacity, text.kv_lora_rank, text.qk_rope_head_dim, model.dtype,
+    attention_layers = sum(kind != LINEAR_ATTENTION for kind in _layer_types(text) or ["full_attention"] * text.num_hidden_layers)
+    pool = MLAKVPool(attention_layers, capacity, text.kv_lora_rank, text.qk_rope_head_dim, model.dtype,
                      model.device)
     binding = bind(config, pool, model, replicated=True, who="the transformers front end")
     groups = parallel.build_replicated(config.dcp_size)
@@ -140,12 +155,13 @@ class DCPTransformersModel(nn.Module):
         super().__init__()
         self.model, self.dcp_state, self._absorb = model, state, absorb
         self.cache_kwarg = cache_kwarg(model)
+        self._layer_types = _layer_types(model.config.get_text_config(decoder=True))
         forward = type(model).forward.__get__(model)
         self._signature = inspect.signature(forward)
         (self._strategy,) = state.backends
         self._compiled_step = CompiledStep(forward, state, errors=(AbsorbError,), too_many_shapes=(
-            "(the transformers front end compiles each (batch, tokens) shape): run a few batch sizes and prompt "
-            "lengths"))
+            f"(kernels={state.lowering.name!r} compiles each (batch, tokens, cache width) shape): run a few batch "
+            "sizes and prompt lengths"))
         groups = state.parallel
         self._agreement = GroupAgreement(state.config.dcp_size, groups.dcp_rank, groups.dcp_group_name,
                                          state.kv_pool.cache(0).device)
@@ -164,7 +180,7 @@ class DCPTransformersModel(nn.Module):
         pool = self.dcp_state.kv_pool
         if max_length is None and batch_size >= 1:
             max_length = max(1, allocator(pool).free_locations() // batch_size)
-        return DCPCache(pool, batch_size, max_length)
+        return DCPCache(pool, batch_size, max_length, self._layer_types)
 
     def forward(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -273,7 +289,7 @@ class DCPTransformersModel(nn.Module):
         name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
         kwargs = dict(kwargs, **{name: kwargs[name].detach()})  # a mark sticks: never on the caller's tensor
         cache = kwargs[self.cache_kwarg]
-        for tensor in (kwargs[name], kwargs["position_ids"], cache.layers[0].req_to_token, cache.layers[0].pads):
+        for tensor in (kwargs[name], kwargs["position_ids"], cache.req_to_token, cache.pad_tensor):
             for dim in range(min(tensor.dim(), 2)):
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
         return args, kwargs
@@ -316,8 +332,8 @@ class DCPTransformersModel(nn.Module):
         if cache.released:
             raise ValueError("this cache was released (cache.release()): its KV locations may belong to another cache "
                              "now; make a new one with model.new_cache(batch_size, max_length)")
-        if cache.layers[0].batch_size != batch:
-            raise ValueError(f"the cache has {cache.layers[0].batch_size} rows, this step {batch}: a cache serves one "
+        if cache.rows != batch:
+            raise ValueError(f"the cache has {cache.rows} rows, this step {batch}: a cache serves one "
                              "batch of fixed rows (generate() makes one of batch * num_return_sequences rows)")
         length = cache.length()
         if length + tokens > cache.max_length:
@@ -356,6 +372,10 @@ class DCPTransformersModel(nn.Module):
                              "a row), as generate() pads a batch of prompts for a decoder-only model (tokenizer "
                              "padding_side='left')")
         if length == 0 and bool(pads.any()):
+            if cache.hybrid:
+                raise ValueError(f"attention_mask {mask.int().tolist()}: a left-padded batch of a model with linear-"
+                                 "attention layers is not served (their recurrent state would take in the padding, "
+                                 "which transformers masks there); run its prompts unpadded, one length per batch")
             cache.set_padding(pads.tolist())
 
     def _check_token_ids(self, input_ids: torch.Tensor) -> None:

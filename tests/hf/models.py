@@ -31,8 +31,13 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 
 
 FAMILIES = {"v3": "deepseek_v3", "v2": "deepseek_v2", "glm4-moe-lite": "glm4_moe_lite", "minicpm3": "minicpm3",
-            "youtu": "youtu", "sarvam-mla": "sarvam_mla"}
-"""Test family name: transformers model type. The last four reuse DeepSeek's MLA block."""
+            "youtu": "youtu", "sarvam-mla": "sarvam_mla", "kimi-linear": "kimi_linear"}
+"""Test family name: transformers model type. GLM-4-MoE-Lite, MiniCPM3, Youtu and Sarvam-MLA reuse
+DeepSeek's MLA block; Kimi-Linear interleaves it with KDA linear attention (HYBRID)."""
+HYBRID = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+              mlp_layer_types=["dense", "sparse", "sparse", "sparse"], linear_head_dim=8, linear_num_heads=4,
+              linear_conv_kernel_dim=4, num_local_experts=4)
+"""Kimi-Linear's tiny layers: two KDA and two MLA (so that every family has 2 MLA layers)."""
 
 
 def available(family: str) -> bool:
@@ -56,7 +61,9 @@ def config(family: str = "v3", **overrides):
     """A tiny transformers config of `family` (FAMILIES): TINY's fields that its config takes."""
     config_class, _ = _classes(family)
     accepted = set(inspect.signature(config_class.__init__).parameters)
-    fields = {k: v for k, v in dict(TINY, **overrides).items() if k in accepted or k == "attn_implementation"}
+    family_fields = HYBRID if family == "kimi-linear" else {}
+    fields = {k: v for k, v in dict(TINY, **family_fields, **overrides).items()
+              if k in accepted or k == "attn_implementation"}
     if "n_group" in accepted:
         fields.setdefault("n_group", 1)
         fields.setdefault("topk_group", 1)

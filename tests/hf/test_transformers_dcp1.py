@@ -33,6 +33,7 @@ CASES = {
     "minicpm3-eager": {"family": "minicpm3", "attn_implementation": "eager"},
     "youtu": {"family": "youtu"},
     "sarvam-mla": {"family": "sarvam-mla"},
+    "kimi-linear": {"family": "kimi-linear"},
 }
 
 
@@ -184,3 +185,15 @@ def test_a_model_loaded_with_tensor_parallelism_is_refused():
         model.tp_size = 2
     with pytest.raises(ValueError, match="tensor parallelism"):
         dcp_compile.apply(model, dcp_size=1)
+
+
+@pytest.mark.skipif(not available("kimi-linear"), reason="not in this transformers")
+def test_a_hybrid_model_refuses_a_left_padded_batch_by_name():
+    """Kimi-Linear's KDA layers keep a recurrent state that transformers shields from the padding
+    with a mask of their own; the front end does not keep that mask, so it refuses the batch."""
+    model = dcp_compile.apply(tiny_model(family="kimi-linear"), dcp_size=1)
+    input_ids = prompt()
+    mask = torch.ones_like(input_ids)
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match="a left-padded batch of a model with linear-attention layers is not served"):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=2, do_sample=False)

@@ -25,6 +25,7 @@ MATCHING = {
     "minicpm3": {"overrides": {"family": "minicpm3"}},
     "youtu-eager": {"overrides": {"family": "youtu", "attn_implementation": "eager"}},
     "sarvam-mla": {"overrides": {"family": "sarvam-mla"}},
+    "kimi-linear": {"overrides": {"family": "kimi-linear"}},
 }
 CONTROLS = {"scale+10%": {"scale_factor": 1.1}, "unsharded-write": {"apply": {"disabled_passes": ("shard_kv_write",)}}}
 
