@@ -267,7 +267,8 @@ class DCPTransformersModel(nn.Module):
                 raise ValueError("a DCP step needs input_ids or inputs_embeds")
             self._agreement.check_step(inputs, input_ids, call.get(self.cache_kwarg), call.get("attention_mask"))
             call = self._checked(call)
-            padded = any(call[self.cache_kwarg].pads)
+            cache = call.get(self.cache_kwarg)
+            padded = cache is not None and any(cache.pads)
             self._check_padding_is_served(padded)
             symbolic = not self.dcp_state.lowering.static_shapes(self._strategy, self.dcp_state.config.inner_compile)
             out = self._compiled_step.run(self._strategy, (), call, symbolic=symbolic and self._symbolic_lengths)
@@ -288,8 +289,10 @@ class DCPTransformersModel(nn.Module):
         a one-token step is the decode graph, a one-row batch has graphs of its own)."""
         name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
         kwargs = dict(kwargs, **{name: kwargs[name].detach()})  # a mark sticks: never on the caller's tensor
-        cache = kwargs[self.cache_kwarg]
-        for tensor in (kwargs[name], kwargs["position_ids"], cache.req_to_token, cache.pad_tensor):
+        cache = kwargs.get(self.cache_kwarg)
+        tensors = [kwargs[name]] + ([kwargs["position_ids"], cache.req_to_token, cache.pad_tensor] if cache is not None
+                                    else [])  # a step without a cache (use_cache=False at dcp_size 1)
+        for tensor in tensors:
             for dim in range(min(tensor.dim(), 2)):
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
         return args, kwargs

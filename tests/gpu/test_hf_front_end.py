@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
 import dcp_compile  # noqa: E402
+from tests.hf.models import agree_near_ties as _agree  # noqa: E402
 from tests.hf.models import tiny_model  # noqa: E402
 
 WIDTHS = dict(hidden_size=256, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
@@ -39,24 +40,7 @@ def _generate(model, input_ids):
     with torch.no_grad():
         out = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
-    return out.sequences, torch.stack(out.logits, 1).float()  # logits [B, steps, vocab]
-
-
-def _agree(got, want, tolerance: float) -> float:
-    """Assert the near-tie rule row by row; the largest logit difference before a row's first flip."""
-    (got_tokens, got_logits), (want_tokens, want_logits) = got, want
-    prompt = got_tokens.shape[1] - got_logits.shape[1]
-    worst = 0.0
-    for row in range(got_tokens.shape[0]):
-        for step in range(got_logits.shape[1]):
-            worst = max(worst, float((got_logits[row, step] - want_logits[row, step]).abs().max()))
-            ours, theirs = int(got_tokens[row, prompt + step]), int(want_tokens[row, prompt + step])
-            if ours != theirs:
-                margin = float(want_logits[row, step, theirs] - want_logits[row, step, ours])
-                assert margin <= 2 * tolerance, (row, step, margin)
-                break  # the rows' histories part here
-    assert worst < tolerance, worst
-    return worst
+    return out.sequences, torch.stack(out.logits, 1)  # logits [B, steps, vocab]
 
 
 @pytest.fixture(scope="module")

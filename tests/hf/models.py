@@ -133,3 +133,24 @@ def rank_compare(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         finally:
             absorb.match_site = matched
     return results
+
+
+def agree_near_ties(got, want, tolerance: float) -> float:
+    """The near-tie rule for two generate() results (sequences, logits [B, steps, vocab]), as the
+    harness's (dcp_compile/harness/scenario.py): a row's tokens may part only where the reference's
+    two candidates are within 2 x tolerance of each other, and the logits before that within
+    tolerance. Asserts it row by row; returns the largest logit difference compared."""
+    (got_tokens, got_logits), (want_tokens, want_logits) = got, want
+    got_logits, want_logits = got_logits.float(), want_logits.float()
+    prompt = got_tokens.shape[1] - got_logits.shape[1]
+    worst = 0.0
+    for row in range(got_tokens.shape[0]):
+        for step in range(got_logits.shape[1]):
+            worst = max(worst, float((got_logits[row, step] - want_logits[row, step]).abs().max()))
+            ours, theirs = int(got_tokens[row, prompt + step]), int(want_tokens[row, prompt + step])
+            if ours != theirs:
+                margin = float(want_logits[row, step, theirs] - want_logits[row, step, ours])
+                assert margin <= 2 * tolerance, (row, step, margin)
+                break  # the rows' histories part here
+    assert worst < tolerance, worst
+    return worst

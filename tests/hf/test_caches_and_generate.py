@@ -124,7 +124,7 @@ def test_num_return_sequences_matches_transformers(models):
 
 
 def test_generate_refuses_by_name(models):
-    _, model = models
+    reference, model = models
     input_ids = prompt()
     with pytest.raises(ValueError, match="num_beams=2: beam search reorders the cache's rows"):
         model.generate(input_ids, num_beams=2, max_new_tokens=2)
@@ -132,6 +132,10 @@ def test_generate_refuses_by_name(models):
         model.generate(input_ids, num_beams=2, num_return_sequences=2, max_new_tokens=2)
     with pytest.raises(ValueError, match="use_cache=False: generate.. would run every step over the whole sequence"):
         model.generate(input_ids, use_cache=False, max_new_tokens=2, do_sample=False)
+    with torch.no_grad():  # a step without a cache: transformers' forward over the whole prompt
+        for length in (3, 5):
+            got = model(input_ids[:, :length], use_cache=False).logits
+            assert float((got - reference(input_ids[:, :length], use_cache=False).logits).abs().max()) < 1e-5
     with pytest.raises(ValueError, match="use_cache=False with a cache"):
         model(input_ids, use_cache=False, **{model.cache_kwarg: model.new_cache(2, WIDTH)})
     with pytest.raises(ValueError, match=r"input_ids of dtype torch.float32: token ids are an integer tensor"):

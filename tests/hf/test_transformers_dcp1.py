@@ -4,6 +4,7 @@ the refusals (the multi-rank runs are in test_transformers_distributed.py)."""
 
 from __future__ import annotations
 
+import copy
 
 import pytest
 import torch
@@ -197,3 +198,24 @@ def test_a_hybrid_model_refuses_a_left_padded_batch_by_name():
     mask[0, :2] = 0
     with pytest.raises(ValueError, match="a left-padded batch of a model with linear-attention layers is not served"):
         model.generate(input_ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+
+
+def test_bf16_generate_matches_transformers_under_the_near_tie_rule():
+    """bf16 weights and cache, a left-padded batch and an unpadded one: transformers' tokens under
+    the near-tie rule, logits within 0.1 (bf16 rounds the absorbed and the expanded attention
+    differently)."""
+    from tests.hf.models import agree_near_ties
+    from tests.hf.test_caches_and_generate import _left_padded
+
+    reference = tiny_model().to(torch.bfloat16)
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kv_capacity=256)
+    assert dcp_compile.state(model).kv_pool.cache(0).dtype == torch.bfloat16
+    _, padded, mask = _left_padded((3, 9, 12))
+    for input_ids, kwargs in ((prompt(), {}), (padded, {"attention_mask": mask})):
+        results = []
+        for served in (model, reference):
+            with torch.no_grad():
+                out = served.generate(input_ids, max_new_tokens=12, do_sample=False, output_logits=True,
+                                      return_dict_in_generate=True, **kwargs)
+            results.append((out.sequences, torch.stack(out.logits, 1)))
+        agree_near_ties(results[0], results[1], 0.1)
