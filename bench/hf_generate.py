@@ -9,7 +9,9 @@ bf16, random weights (initializer_range 0.02). For each context and batch, a ran
 `--new-tokens` greedy tokens:
 - transformers' best: a static cache (cache_implementation="static"), which generate() decodes
   under its own torch.compile (CUDA graphs, "reduce-overhead"), warmed up before timing;
-- dcp_compile at dcp_size 1 on each `--kernels` back end (inductor inner compile), warmed up.
+- dcp_compile at dcp_size 1 on each `--kernels` back end (inductor inner compile), its decode
+  steps replayed from CUDA graphs captured per batch size (capture_decode_graphs; --no-graphs
+  runs them through the compiled step), warmed up.
 Per-token decode latency = (generate of N new tokens - generate of 1) / (N - 1), medians of
 `--repeats`. Tokens are compared with the near-tie rule (tests/gpu/test_hf_front_end.py); the KV
 bytes per token are each cache's allocated bytes over its token slots.
@@ -107,6 +109,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kernels", nargs="+", default=["triton"])
+    parser.add_argument("--no-graphs", action="store_true", help="decode steps without CUDA graph replay")
     parser.add_argument("--tolerance", type=float, default=0.1, help="bf16 logit tolerance of the near-tie rule")
     args = parser.parse_args(argv)
     require_cuda("bench.hf_generate")
@@ -119,6 +122,9 @@ def main(argv=None) -> None:
     ours = {kernels: dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kernels=kernels,
                                        inner_compile="inductor", kv_capacity=rows_needed)
             for kernels in args.kernels}
+    if not args.no_graphs:
+        for model in ours.values():
+            model.capture_decode_graphs(batch_sizes=args.batches, max_length=longest)
     pool = dcp_compile.state(next(iter(ours.values()))).kv_pool
     ours_bytes = pool.cache(0)[0].numel() * pool.cache(0).element_size() * pool.num_layers
     # transformers' attention expands the cached latent into per-head K (n + P) and V (v) at every
@@ -126,7 +132,7 @@ def main(argv=None) -> None:
     expanded = SHAPE["num_attention_heads"] * (SHAPE["qk_nope_head_dim"] + SHAPE["qk_rope_head_dim"]
                                                + SHAPE["v_head_dim"]) * 2
     result["run"] = dict(shape=SHAPE, layers=args.layers, new_tokens=args.new_tokens, dtype="bfloat16",
-                         kernels=args.kernels, tolerance=args.tolerance,
+                         kernels=args.kernels, tolerance=args.tolerance, decode_graphs=not args.no_graphs,
                          attention_bytes_per_token_per_layer=dict(transformers_expanded_kv=expanded,
                                                                   dcp_compile_latent=ours_bytes / pool.num_layers,
                                                                   ratio=expanded * pool.num_layers / ours_bytes))
@@ -151,6 +157,7 @@ def main(argv=None) -> None:
                 row[f"speedup_{kernels}"] = theirs / seconds
                 row.update({f"{key}_{kernels}": value for key, value in near_tie(got, want, args.tolerance).items()})
                 row[f"graphs_{kernels}"] = len(dcp_compile.state(model).reports)
+                row[f"replays_{kernels}"] = model.decode_graphs.replays if model.decode_graphs else 0
             row["wall_s"] = time.perf_counter() - started
             results.add(result, results.MAIN, row)
             print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)

@@ -178,6 +178,11 @@ class CompiledStep:
         with self._one_step:
             self._flags.raise_if_set(wait=True)
 
+    def agree_on_shapes(self, strategy_name: str, args: tuple, kwargs: dict) -> None:
+        """The DCP peers' agreement on a step's batch shapes and strategy (run() makes it; a step
+        replayed from a captured graph makes it before the replay)."""
+        self._peers.check(args, kwargs, strategy.STRATEGIES.index(strategy_name))
+
     def run(self, strategy_name: str, args: tuple, kwargs: dict, host_metadata: HostMetadata | None = None, *,
             symbolic: bool | Callable[[tuple, dict], tuple[tuple, dict]] = False):
         """The compiled call of one strategy, once the DCP peers agree on the batch shapes, with
@@ -185,7 +190,7 @@ class CompiledStep:
         argument symbolic (shapes.symbolic_batch), so that one graph serves many batch shapes; a
         function `(args, kwargs) -> (args, kwargs)` marks the front end's own dynamic dimensions."""
         compiled = self.variant(strategy_name, bool(symbolic))
-        self._peers.check(args, kwargs, strategy.STRATEGIES.index(strategy_name))
+        self.agree_on_shapes(strategy_name, args, kwargs)
         slot = self.state.host_slot
         slot.begin(host_metadata)
         try:

@@ -128,28 +128,34 @@ class DCPCache(Cache):
     """A cache for `batch_size` rows of up to `max_length` positions each. `layer_types`: the
     model's (config.layer_types), for a hybrid model; each attention layer takes the next layer of
     `pool`, each linear-attention layer is transformers' own LinearAttentionLayer. Without it,
-    transformers' layer i is the pool's layer i."""
+    transformers' layer i is the pool's layer i. placeholder: no locations of its own (a table of
+    zeros, location 0, which writes skip): the static cache a captured graph reads."""
 
-    def __init__(self, pool: MLAKVPool, batch_size: int, max_length: int, layer_types: list[str] | None = None):
+    def __init__(self, pool: MLAKVPool, batch_size: int, max_length: int, layer_types: list[str] | None = None,
+                 placeholder: bool = False):
         kinds = list(layer_types) if layer_types else ["full_attention"] * pool.num_layers
         if sum(kind != LINEAR_ATTENTION for kind in kinds) != pool.num_layers:
             raise ValueError(f"layer types {kinds}: {pool.num_layers} attention layers in the pool")
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"a DCP cache needs batch_size >= 1 and max_length >= 1, got {batch_size} and {max_length}")
         needed = 1 + batch_size * max_length
-        if needed > pool.capacity:
+        if needed > pool.capacity and not placeholder:
             raise ValueError(
                 f"{batch_size} rows of {max_length} positions need {needed} KV locations (location 0 is reserved); the "
                 f"pool holds {pool.capacity} over its {pool.dcp_size} rank(s): pass a larger kv_capacity to "
                 "dcp_compile.apply, or a smaller batch / max_length"
             )
-        locations = allocator(pool)
-        allocation, taken = locations.allocate(batch_size * max_length,
-                                               f"a cache of {batch_size} row(s) of {max_length} positions")
-        # Given back when the cache is garbage collected (queued: a finalizer may run inside an allocation).
-        self._finalizer = weakref.finalize(self, locations.release_later, allocation)
-        self._release = lambda: locations.release(allocation)
-        req_to_token = taken.to(pool.device).view(batch_size, max_length)
+        if placeholder:  # a graph's static cache (hf/graphs.py): each replay copies a real cache's table in
+            self._finalizer, self._release = None, lambda: None
+            req_to_token = torch.zeros(batch_size, max_length, dtype=torch.int64, device=pool.device)
+        else:
+            locations = allocator(pool)
+            allocation, taken = locations.allocate(batch_size * max_length,
+                                                   f"a cache of {batch_size} row(s) of {max_length} positions")
+            # Given back when the cache is garbage collected (queued: a finalizer may run inside an allocation).
+            self._finalizer = weakref.finalize(self, locations.release_later, allocation)
+            self._release = lambda: locations.release(allocation)
+            req_to_token = taken.to(pool.device).view(batch_size, max_length)
         pads = torch.zeros(batch_size, dtype=torch.int64, device=pool.device)
         layers, attention = [], 0
         for kind in kinds:
@@ -186,5 +192,9 @@ class DCPCache(Cache):
         cache does it too); a released cache serves no more steps."""
         if not self.released:
             self.released = True
-            self._finalizer.detach()
+            if self._finalizer is not None:
+                self._finalizer.detach()
             self._release()
+
+    def attention_layers(self) -> list[DCPCacheLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DCPCacheLayer)]

@@ -156,6 +156,7 @@ class DCPTransformersModel(nn.Module):
         self.model, self.dcp_state, self._absorb = model, state, absorb
         self.cache_kwarg = cache_kwarg(model)
         self._layer_types = _layer_types(model.config.get_text_config(decoder=True))
+        self._graphs = None
         forward = type(model).forward.__get__(model)
         self._signature = inspect.signature(forward)
         (self._strategy,) = state.backends
@@ -271,9 +272,30 @@ class DCPTransformersModel(nn.Module):
             padded = cache is not None and any(cache.pads)
             self._check_padding_is_served(padded)
             symbolic = not self.dcp_state.lowering.static_shapes(self._strategy, self.dcp_state.config.inner_compile)
+            key = self._graphs.key(call, self.cache_kwarg) if self._graphs is not None else None
+            if key is not None:
+                self._compiled_step.agree_on_shapes(self._strategy, (), call)
+                out = self._graphs.run(call, self.cache_kwarg, key)
+                self._check_padding_is_served(padded)  # a layer the capture's compile left as it is
+                return out
             out = self._compiled_step.run(self._strategy, (), call, symbolic=symbolic and self._symbolic_lengths)
             self._check_padding_is_served(padded)  # a layer this step's compile left as it is
             return out
+
+    def capture_decode_graphs(self, batch_sizes=(1, 2, 4, 8, 16, 32, 64), max_length: int | None = None) -> None:
+        """From now on, replay one-token steps (generate()'s decode steps) of these batch sizes, over
+        caches of at most `max_length` columns (default: 1 + max_position_embeddings), from device
+        graphs (CUDA or NPU graphs; dcp_compile/hf/graphs.py), each captured at the first such
+        step of its size. Steps that do not qualify run the compiled step as before."""
+        from dcp_compile.hf.graphs import DecodeGraphs
+
+        text = self.model.config.get_text_config(decoder=True)
+        self._graphs = DecodeGraphs(self, batch_sizes, max_length or 1 + text.max_position_embeddings)
+
+    @property
+    def decode_graphs(self):
+        """The captured decode graphs (capture_decode_graphs), or None."""
+        return self._graphs
 
     def _check_padding_is_served(self, padded: bool) -> None:
         """Padding is each row's own length in the absorbed attention; a layer left to transformers'
@@ -342,10 +364,9 @@ class DCPTransformersModel(nn.Module):
         if length + tokens > cache.max_length:
             raise ValueError(f"this step's {tokens} token(s) after {length} cached ones exceed the cache's max_length "
                              f"{cache.max_length}")
-        mask = call.get("attention_mask")
+        mask = call.pop("attention_mask", None)  # popped, not None: the same arguments, the same graph
         if mask is not None:
             self._read_padding(mask, cache, batch, length, tokens)
-            call["attention_mask"] = None
         # Each row's positions: its columns less its left padding (0 on the padding, never written).
         columns = torch.arange(length, length + tokens).unsqueeze(0)
         expected = columns - torch.tensor(cache.pads).unsqueeze(1)

@@ -64,12 +64,18 @@ class _DeviceGraphs:
         self.device = torch.device(self.backend_name, self.backend.current_device())
         self.pool = self.backend.graph_pool_handle()
 
-    def capture(self, run):
+    def capture(self, run, prepare=None):
+        """(graph, output) of `run` captured; `prepare`, if given, runs before each warm-up and
+        before the capture, outside it (state the runs change, reset)."""
         stream = self.backend.Stream()
         stream.wait_stream(self.backend.current_stream())
         with self.backend.stream(stream):
             for _ in range(2):
+                if prepare is not None:
+                    prepare()
                 run()
+            if prepare is not None:
+                prepare()
         self.backend.current_stream().wait_stream(stream)
         graph = getattr(self.backend, self.graph_class)()
         with self.backend.graph(graph, pool=self.pool, **self.capture_options):

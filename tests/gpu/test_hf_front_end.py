@@ -29,7 +29,7 @@ WIDTHS = dict(hidden_size=256, num_attention_heads=16, num_key_value_heads=16, k
               initializer_range=0.02)
 NEW_TOKENS = 12
 FP32_LOGITS = 2e-3
-BF16_LOGITS = 6e-2
+BF16_LOGITS = 0.1
 
 
 def _model(dtype):
@@ -76,3 +76,21 @@ def test_auto_kernels_pick_a_back_end_that_serves_the_front_end(prompts):
     model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1)
     assert dcp_compile.state(model).config.kernels == "triton"
     _agree(_generate(model, prompts[0]), _generate(reference, prompts[0]), BF16_LOGITS)
+
+
+@pytest.mark.parametrize("inner_compile,dtype", [("eager", torch.float32), ("inductor", torch.bfloat16)])
+def test_generate_replays_cuda_graphs_with_transformers_tokens(prompts, inner_compile, dtype):
+    """capture_decode_graphs: every decode step of generate() replays a CUDA graph captured once
+    per batch size (hf/graphs.py); the tokens are the untouched model's."""
+    reference = _model(dtype)
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kernels="triton", inner_compile=inner_compile)
+    model.capture_decode_graphs(batch_sizes=(1, 2, 3), max_length=WIDTHS["max_position_embeddings"])
+    tolerance = FP32_LOGITS if dtype == torch.float32 else BF16_LOGITS
+    for input_ids in prompts + prompts[:1]:
+        got, want = _generate(model, input_ids), _generate(reference, input_ids)
+        if dtype == torch.float32:
+            assert torch.equal(got[0], want[0])
+        _agree(got, want, tolerance)
+    graphs = model.decode_graphs
+    assert graphs.replays == (len(prompts) + 1) * (NEW_TOKENS - 1)
+    assert sorted(key[0] for key in graphs.captured) == [1, 2, 3]

@@ -1,0 +1,128 @@
+"""The decode steps of the transformers front end replayed from device graphs (CUDA graphs, or
+Ascend NPU graphs), inside generate().
+
+    model = dcp_compile.apply(DeepseekV3ForCausalLM(config).cuda(), dcp_size=2, kernels="triton")
+    model.capture_decode_graphs(batch_sizes=(1, 2, 4, 8), max_length=4096)
+    model.generate(input_ids, max_new_tokens=64)     # its one-token steps replay graphs
+
+A graph is captured once per batch size, at the first one-token step of that size, from the
+compiled step (the graph the step compiles for one token, symbolic in the cache's width, is the
+one captured), over a static cache of `max_length` columns that owns no KV locations: during
+capture its rows are all padding (length 0, the token at location 0, which the write skips), so
+capture writes and reads no KV.
+Before each replay the step's inputs are copied into the graph's static buffers, on the device:
+token ids, positions, the cache's page table (the columns past its width zeroed), its padding and
+each attention layer's length counter; after it, the cache's counters advance as the graph's did.
+Which steps replay: one token a row, a batch size in `batch_sizes`, a cache of at most
+`max_length` columns, no linear-attention layers (their state is allocated inside the step), and
+the same arguments (names and non-tensor values) as the step the graph was captured from; any
+other step runs the compiled step as before. The host-side checks and the DCP peers' agreement
+run before every step, replayed or not.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from dcp_compile import shapes
+from dcp_compile.hf.cache import DCPCache
+from dcp_compile.runtime.graph_runner import device_graphs
+
+
+@dataclass
+class _Captured:
+    graph: object
+    cache: DCPCache
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    output: object
+    """The step's output at capture (a transformers ModelOutput), its logits the graph's."""
+
+
+class DecodeGraphs:
+    """One front end's captured decode graphs. `front`: the DCPTransformersModel."""
+
+    def __init__(self, front, batch_sizes, max_length: int):
+        sizes = tuple(sorted(set(batch_sizes)))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"batch_sizes must be positive batch sizes, got {batch_sizes}")
+        if max_length < 2:
+            raise ValueError(f"max_length must be at least 2 columns, got {max_length}")
+        self.front, self.batch_sizes, self.max_length = front, sizes, max_length
+        self.graphs = device_graphs(front.dcp_state.kv_pool.cache(0).device)
+        self.captured: dict[tuple, _Captured] = {}
+        self.replays = 0
+
+    def key(self, call: dict, cache_kwarg: str):
+        """The captured graph's key for a step, or None where the step does not replay."""
+        input_ids, cache = call.get("input_ids"), call.get(cache_kwarg)
+        if (input_ids is None or call.get("inputs_embeds") is not None or not isinstance(cache, DCPCache)
+                or cache.hybrid or input_ids.shape[1] != 1 or input_ids.shape[0] not in self.batch_sizes
+                or cache.max_length > self.max_length):
+            return None
+        others = []
+        for name, value in sorted(call.items()):
+            if name in ("input_ids", "position_ids", cache_kwarg):
+                continue
+            if isinstance(value, torch.Tensor):
+                return None  # an input the static buffers do not hold
+            try:
+                hash(value)
+            except TypeError:
+                return None
+            others.append((name, value))
+        return (input_ids.shape[0], tuple(others))
+
+    def run(self, call: dict, cache_kwarg: str, key):
+        captured = self.captured.get(key)
+        if captured is None:
+            captured = self.captured[key] = self._capture(call, cache_kwarg, key[0])
+        cache: DCPCache = call[cache_kwarg]
+        width = cache.max_length
+        captured.input_ids.copy_(call["input_ids"])
+        captured.position_ids.copy_(call["position_ids"])
+        table = captured.cache.req_to_token
+        table[:, :width].copy_(cache.req_to_token)
+        table[:, width:].zero_()
+        captured.cache.pad_tensor.copy_(cache.pad_tensor)
+        layers = cache.attention_layers()
+        for static, layer in zip(captured.cache.attention_layers(), layers):
+            static.cumulative_length.copy_(layer.cumulative_length)
+        self.graphs.replay(captured.graph, None)
+        for layer in layers:
+            layer.cumulative_length.add_(1)
+        self.replays += 1
+        output = copy.copy(captured.output)
+        output["logits"] = captured.output["logits"].clone()
+        output[cache_kwarg if cache_kwarg in output else "past_key_values"] = cache
+        return output
+
+    def _capture(self, call: dict, cache_kwarg: str, batch: int) -> _Captured:
+        front = self.front
+        state = front.dcp_state
+        cache = DCPCache(state.kv_pool, batch, self.max_length, front._layer_types, placeholder=True)
+        input_ids = torch.zeros_like(call["input_ids"])
+        position_ids = torch.zeros_like(call["position_ids"])
+        kwargs = dict(call, input_ids=input_ids, position_ids=position_ids, **{cache_kwarg: cache})
+        compiled = front._compiled_step.variant(front._strategy, True)
+
+        def prepare():
+            # Every row one column of padding: nothing written (location 0), nothing read (length 0).
+            cache.pad_tensor.fill_(1)
+            for layer in cache.attention_layers():
+                layer.cumulative_length.zero_()
+
+        def step():
+            _, marked = front._symbolic_lengths((), kwargs)
+            state.host_slot.begin(None)
+            try:
+                with shapes.distinct_sizes():
+                    return compiled(**marked)
+            finally:
+                state.host_slot.end()
+
+        graph, output = self.graphs.capture(step, prepare)
+        return _Captured(graph, cache, input_ids, position_ids, output)
