@@ -49,7 +49,8 @@ def bind(config: DCPConfig, pool: MLAKVPool, model: nn.Module | None = None, *, 
     replicated: every rank runs every head; then only back ends that serve replicated-q are
     taken, and `who` names what runs it in that error (default: a model with unsplit heads).
     Raises, before anything is allocated or built, for a config the back end cannot serve."""
-    lowering = registry.resolve(config.kernels, pool, config, refuses=replicated_refusal if replicated else None)
+    refuses = replicated_refusal if replicated else None
+    lowering = registry.resolve(config.kernels, pool, config, refuses=refuses)
     lowering = lowering.configured(registry.options_for(lowering, config.options))  # an option it does not read raises
     lowering = lowering.configured(lowering.resolve_options(pool))
     if replicated:  # on the configured back end: an option may choose its KV layout

@@ -22,11 +22,12 @@ on every rank), a cache released or of another pool, token ids that are not inte
 [0, vocab_size), an attention mask other than left padding (a left-padded batch is served: each
 row's padding is its own length in the cache), position ids other than the cache's positions, a
 step past the cache's `max_length`, hidden states and attention weights as outputs. The step's
-rows, tokens and cache width are symbolic: one graph serves every prompt length. Under DCP the ranks' steps must agree (shapes,
-cache position, token ids: dcp_compile/hf/agreement.py), and a sampling generate() draws every
-rank's token with the group's first rank's generator. generate() serves greedy and sampled
-decoding, num_return_sequences and classifier-free guidance (guidance_scale), and refuses beam
-search and use_cache=False by name. Caches of one model never share KV locations
+rows, tokens and cache width are symbolic: one graph serves every prompt length. Under DCP the
+ranks' steps must agree (shapes, cache position, token ids: dcp_compile/hf/agreement.py), and a
+sampling generate() draws every rank's token with the group's first rank's generator. generate()
+serves greedy and sampled decoding, num_return_sequences and classifier-free guidance
+(guidance_scale), and refuses beam search and use_cache=False by name; its decode steps replay
+device graphs after capture_decode_graphs (dcp_compile/hf/graphs.py). Caches of one model never share KV locations
 (dcp_compile/hf/locations.py). The model passed to apply is the one that runs: its forward now
 is the DCP step.
 """
@@ -137,7 +138,8 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
                            "ranks (init_process_group on every rank, or dcp_compile.runtime.launch)")
     text = model.config.get_text_config(decoder=True)
     capacity = kv_capacity if kv_capacity is not None else 1 + text.max_position_embeddings
-    attention_layers = sum(kind != LINEAR_ATTENTION for kind in _layer_types(text) or ["full_attention"] * text.num_hidden_layers)
+    kinds = _layer_types(text) or ["full_attention"] * text.num_hidden_layers
+    attention_layers = sum(kind != LINEAR_ATTENTION for kind in kinds)  # a hybrid's linear layers keep no KV
     pool = MLAKVPool(attention_layers, capacity, text.kv_lora_rank, text.qk_rope_head_dim, model.dtype,
                      model.device)
     binding = bind(config, pool, model, replicated=True, who="the transformers front end")
