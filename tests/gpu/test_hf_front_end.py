@@ -3,10 +3,10 @@ attention widths (R 512, P 64, n 128, v 128; 16 heads, 2 layers) through dcp_com
 dcp_size 1, against the untouched model's generate(), on the back ends that serve it (triton,
 torch) with the eager and the inductor inner compile, in fp32 and bf16.
 
-fp32: the same greedy tokens and logits within FP32_LOGITS. bf16: the near-tie rule (the
-harness's, dcp_compile/harness/scenario.py): a row's tokens may part only where the untouched
-model's two candidates are within 2 x BF16_LOGITS of each other, and the logits before that
-within BF16_LOGITS. Skipped where no CUDA device is present."""
+The near-tie rule (the harness's, dcp_compile/harness/scenario.py), with FP32_LOGITS in fp32 and
+BF16_LOGITS in bf16: a row's tokens may part only where the untouched model's two candidates are
+within 2 x the tolerance of each other, and the logits before that within the tolerance (the
+Triton kernels' fp32 dots may round as TF32). Skipped where no CUDA device is present."""
 
 from __future__ import annotations
 
@@ -62,8 +62,6 @@ def test_generate_matches_transformers_on_cuda(prompts, kernels, inner_compile, 
     tolerance = FP32_LOGITS if dtype == torch.float32 else BF16_LOGITS
     for input_ids in prompts:
         got, want = _generate(model, input_ids), _generate(reference, input_ids)
-        if dtype == torch.float32:
-            assert torch.equal(got[0], want[0])
         _agree(got, want, tolerance)
     graphs = len(dcp_compile.state(model).reports)
     assert graphs <= 6, graphs  # rows 1 | more, x prefill | one-token decode; never one per prompt length
@@ -88,8 +86,6 @@ def test_generate_replays_cuda_graphs_with_transformers_tokens(prompts, inner_co
     tolerance = FP32_LOGITS if dtype == torch.float32 else BF16_LOGITS
     for input_ids in prompts + prompts[:1]:
         got, want = _generate(model, input_ids), _generate(reference, input_ids)
-        if dtype == torch.float32:
-            assert torch.equal(got[0], want[0])
         _agree(got, want, tolerance)
     graphs = model.decode_graphs
     assert graphs.replays == (len(prompts) + 1) * (NEW_TOKENS - 1)
