@@ -273,7 +273,11 @@ class DCPTransformersModel(nn.Module):
             cache = call.get(self.cache_kwarg)
             padded = cache is not None and any(cache.pads)
             self._check_padding_is_served(padded)
-            symbolic = not self.dcp_state.lowering.static_shapes(self._strategy, self.dcp_state.config.inner_compile)
+            # A hybrid model compiles per shape: its KDA layers' chunked reference code pads by a
+            # length-dependent amount, which a symbolic length does not survive (a 3-layer Kimi-Linear
+            # failed so: "SymIntArrayRef expected to contain only concrete integers").
+            symbolic = (not self.dcp_state.lowering.static_shapes(self._strategy, self.dcp_state.config.inner_compile)
+                        and LINEAR_ATTENTION not in (self._layer_types or ()))
             key = self._graphs.key(call, self.cache_kwarg) if self._graphs is not None else None
             if key is not None:
                 self._compiled_step.agree_on_shapes(self._strategy, (), call)

@@ -172,7 +172,7 @@ def test_a_thousand_prompt_lengths_compile_two_graphs():
     the tokens are transformers' at a sample of the lengths, rows of 1 and 3."""
     from tests.hf.models import tiny_model
 
-    reference = tiny_model(max_position_embeddings=1024)
+    reference = tiny_model(max_position_embeddings=1024, num_attention_heads=2, num_key_value_heads=2)  # 2 heads: 30% less time
     model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kv_capacity=4096)
     generator = torch.Generator().manual_seed(3)
     compared = 0
