@@ -139,7 +139,7 @@ def _check_model(model: nn.Module) -> tuple[MLAKVPool, parallel.ParallelState]:
 
 
 def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = None, kv_keep: str = "memory",
-          kv_capacity: int | None = None, **config_fields) -> nn.Module:
+          kv_capacity: int | None = None, block_size: int | None = None, **config_fields) -> nn.Module:
     """Shard `model`'s latent KV cache over `dcp_size` ranks of its TP group and compile it.
 
     Collective: call on every rank. Call before any KV is written (the pool is reallocated).
@@ -151,7 +151,8 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     An unmodified transformers model of a known MLA family (DeepSeek-V3 / V2) gets a KV pool of
     `kv_capacity` locations (default 1 + max_position_embeddings) and returns a
     dcp_compile.hf.model.DCPTransformersModel, whose generate() and forward() are transformers'
-    own (dcp_compile/hf). kv_capacity is for those models only.
+    own (dcp_compile/hf). kv_capacity and block_size (the KV rows of one page on one rank, for
+    back ends that read the pool as blocks: FIA, FlashInfer) are for those models only.
     """
     if isinstance(model, DCPModel) or getattr(model, "dcp_state", None) is not None:
         raise ValueError("this model was already applied (it is what dcp_compile.apply returned): apply the original "
@@ -165,9 +166,10 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     if is_transformers_model(model):
         from dcp_compile.hf.model import apply_transformers
 
-        return apply_transformers(model, config, kv_capacity, kv_keep)
-    if kv_capacity is not None:
-        raise ValueError("kv_capacity sizes the KV pool of a transformers model; this model owns its kv_pool")
+        return apply_transformers(model, config, kv_capacity, kv_keep, block_size)
+    for name, value in (("kv_capacity", kv_capacity), ("block_size", block_size)):
+        if value is not None:
+            raise ValueError(f"{name} sizes the KV pool of a transformers model; this model owns its kv_pool")
     pool, current = _check_model(model)
     if config.dcp_size > 1 and not dist.is_initialized():
         raise RuntimeError(f"dcp_size {config.dcp_size} needs torch.distributed initialised with >= {config.dcp_size} ranks "

@@ -15,12 +15,10 @@ STRATEGIES = cost_model.STRATEGIES + (REPLICATED_Q,)
 
 
 def replicated_refusal(lowering: Lowering) -> str | None:
-    """Why `lowering` cannot serve replicated-q, or None: it lowers through back ends that plan
-    nothing on the host and keep the packed KV layout."""
-    if lowering.plans_on_host or not lowering.kv_layout.packed:
-        return (f"{REPLICATED_Q!r}, which only back ends that plan nothing on the host and keep the packed KV layout "
-                "serve (torch, triton)")
-    return None
+    """Why `lowering` cannot serve replicated-q, or None. Every built-in back end serves it: its
+    partial attention is gather-q's over the local shard, for the rank's own heads (all of them)
+    instead of the gathered ones."""
+    return lowering.replicated_refusal()
 
 
 def require_replicated_back_end(lowering: Lowering, who: str) -> None:

@@ -27,14 +27,17 @@ Beam search, cropping and batch reordering are refused: the pool's rows do not m
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from dcp_compile import ops
-from dcp_compile.hf.locations import allocator
+from dcp_compile.hf.locations import allocator, reserved
 from dcp_compile.ops.cache_view import mla_cache_view
+from dcp_compile.runtime import layout
+from dcp_compile.runtime.host_metadata import HostMetadata
 from dcp_compile.runtime.kv_pool import MLAKVPool
 
 
@@ -138,24 +141,28 @@ class DCPCache(Cache):
             raise ValueError(f"layer types {kinds}: {pool.num_layers} attention layers in the pool")
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"a DCP cache needs batch_size >= 1 and max_length >= 1, got {batch_size} and {max_length}")
-        needed = 1 + batch_size * max_length
+        page = pool.page_size
+        row = -(-max_length // page) * page  # a row takes whole pages: whole local blocks on every rank
+        needed = page + batch_size * row
         if needed > pool.capacity and not placeholder:
             raise ValueError(
-                f"{batch_size} rows of {max_length} positions need {needed} KV locations (location 0 is reserved); the "
-                f"pool holds {pool.capacity} over its {pool.dcp_size} rank(s): pass a larger kv_capacity to "
-                "dcp_compile.apply, or a smaller batch / max_length"
+                f"{batch_size} rows of {max_length} positions need {needed} KV locations ({reserved(page)}"
+                f"{'' if page == 1 else f'; a row takes whole pages of {page}'}); the pool holds {pool.capacity} over "
+                f"its {pool.dcp_size} rank(s): pass a larger kv_capacity to dcp_compile.apply, or a smaller batch / "
+                "max_length"
             )
         if placeholder:  # a graph's static cache (hf/graphs.py): each replay copies a real cache's table in
             self._finalizer, self._release = None, lambda: None
-            req_to_token = torch.zeros(batch_size, max_length, dtype=torch.int64, device=pool.device)
+            host_table = torch.zeros(batch_size, max_length, dtype=torch.int64)
         else:
             locations = allocator(pool)
-            allocation, taken = locations.allocate(batch_size * max_length,
+            allocation, taken = locations.allocate(batch_size * row,
                                                    f"a cache of {batch_size} row(s) of {max_length} positions")
             # Given back when the cache is garbage collected (queued: a finalizer may run inside an allocation).
             self._finalizer = weakref.finalize(self, locations.release_later, allocation)
             self._release = lambda: locations.release(allocation)
-            req_to_token = taken.to(pool.device).view(batch_size, max_length)
+            host_table = taken.view(batch_size, row)[:, :max_length].contiguous()
+        req_to_token = host_table.to(pool.device)
         pads = torch.zeros(batch_size, dtype=torch.int64, device=pool.device)
         layers, attention = [], 0
         for kind in kinds:
@@ -169,6 +176,8 @@ class DCPCache(Cache):
         super().__init__(layers=layers)
         self.pool, self.max_length, self.rows = pool, max_length, batch_size
         self.req_to_token, self.pad_tensor = req_to_token, pads
+        self.host_table = host_table
+        """req_to_token on the host, for back ends that plan each step there (host_metadata)."""
         self._counter = next(layer for layer in layers if isinstance(layer, DCPCacheLayer)).cumulative_length
         self.hybrid = len(layers) > attention
         self.pads = [0] * batch_size
@@ -198,3 +207,28 @@ class DCPCache(Cache):
 
     def attention_layers(self) -> list[DCPCacheLayer]:
         return [layer for layer in self.layers if isinstance(layer, DCPCacheLayer)]
+
+
+def step_host_metadata(cache: DCPCache, tokens: int, config, length: int | None = None,
+                       width: int | None = None) -> HostMetadata:
+    """A step of `tokens` tokens a row over `cache` (after `length` columns, default the cache's),
+    as host metadata: each row's queries are its last `tokens` columns, its keys its columns
+    written less its padding (a padding column's query attends from position 0, its KV is not
+    written). width: the page table's width the step's graph reads (default the cache's)."""
+    length = cache.length() if length is None else length
+    pads = torch.tensor(cache.pads, dtype=torch.int64)
+    seq_lens = (length + tokens - pads).clamp_min(0)
+    q_seq_ids = torch.arange(cache.rows).repeat_interleave(tokens)
+    table = cache.host_table
+    if width is not None and width != table.shape[1]:
+        table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
+    host = HostMetadata.from_tensors(table, seq_lens, q_seq_ids, config.dcp_size, config.interleave,
+                                     cache.pool.page_size)
+    if not bool(pads.any()):
+        return host
+    # from_tensors reads a row's queries as its last positions; a padded row's first ones are
+    # padding, stored nowhere (-1), and its tokens sit `pads` columns further on.
+    positions = torch.arange(length, length + tokens).unsqueeze(0) - pads.unsqueeze(1)
+    locations = cache.host_table.gather(1, positions.clamp_min(0))
+    owners = torch.where(positions >= 0, layout.owner(locations, config.dcp_size, config.interleave), -1)
+    return dataclasses.replace(host, query_owners=tuple(owners.reshape(-1).tolist()))

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from dcp_compile import shapes
-from dcp_compile.hf.cache import DCPCache
-from dcp_compile.runtime.graph_runner import device_graphs
+from dcp_compile.hf.cache import DCPCache, step_host_metadata
+from dcp_compile.runtime.graph_runner import device_graphs, feed_replay
 
 
 @dataclass
@@ -40,6 +40,9 @@ class _Captured:
     position_ids: torch.Tensor
     output: object
     """The step's output at capture (a transformers ModelOutput), its logits the graph's."""
+    feeds: list
+    """The host feeds of the graphs the captured step ran (back ends that plan on the host), fed
+    before every replay."""
 
 
 class DecodeGraphs:
@@ -82,6 +85,10 @@ class DecodeGraphs:
             captured = self.captured[key] = self._capture(call, cache_kwarg, key[0])
         cache: DCPCache = call[cache_kwarg]
         width = cache.max_length
+        updates = None
+        if captured.feeds:  # the kernels' host inputs (FIA's lengths, block tables) for this step
+            host = step_host_metadata(cache, 1, self.front.dcp_state.config, width=self.max_length)
+            updates = feed_replay(captured.feeds, host)
         captured.input_ids.copy_(call["input_ids"])
         captured.position_ids.copy_(call["position_ids"])
         table = captured.cache.req_to_token
@@ -91,7 +98,7 @@ class DecodeGraphs:
         layers = cache.attention_layers()
         for static, layer in zip(captured.cache.attention_layers(), layers):
             static.cumulative_length.copy_(layer.cumulative_length)
-        self.graphs.replay(captured.graph, None)
+        self.graphs.replay(captured.graph, updates)
         for layer in layers:
             layer.cumulative_length.add_(1)
         self.replays += 1
@@ -107,7 +114,11 @@ class DecodeGraphs:
         input_ids = torch.zeros_like(call["input_ids"])
         position_ids = torch.zeros_like(call["position_ids"])
         kwargs = dict(call, input_ids=input_ids, position_ids=position_ids, **{cache_kwarg: cache})
-        compiled = front._compiled_step.variant(front._strategy, True)
+        symbolic = front.symbolic_steps()
+        compiled = front._compiled_step.variant(front._strategy, symbolic)
+        cache.pads = [1] * batch
+        host = (step_host_metadata(cache, 1, state.config, length=0)
+                if state.lowering.plans_on_host else None)
 
         def prepare():
             # Every row one column of padding: nothing written (location 0), nothing read (length 0).
@@ -116,13 +127,15 @@ class DecodeGraphs:
                 layer.cumulative_length.zero_()
 
         def step():
-            _, marked = front._symbolic_lengths((), kwargs)
-            state.host_slot.begin(None)
+            state.host_slot.begin(host)
             try:
+                if not symbolic:
+                    return compiled(**kwargs)
+                _, marked = front._symbolic_lengths((), kwargs)
                 with shapes.distinct_sizes():
                     return compiled(**marked)
             finally:
                 state.host_slot.end()
 
         graph, output = self.graphs.capture(step, prepare)
-        return _Captured(graph, cache, input_ids, position_ids, output)
+        return _Captured(graph, cache, input_ids, position_ids, output, list(state.host_slot.fed))

@@ -8,7 +8,10 @@ sizes. Location 0 stays reserved for padding.
 
 Locations are logical (the pool shards them over the DCP ranks by token), so a cache needs no
 contiguous range: it takes the lowest free ones, and a pool with enough free locations always
-serves a cache, however fragmented.
+serves a cache, however fragmented. They are handed out in whole pages of the pool (a page of 1
+where its back end reads any location; whole local blocks where it reads block tables), so that
+a row of whole pages is whole blocks on every rank; the first page, which holds location 0, is
+never handed out.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ Ranges = list[tuple[int, int]]
 
 
 class LocationAllocator:
-    """The free locations [1, capacity) of one pool, handed out as ranges."""
+    """The free locations [page_size, capacity) of one pool, handed out as ranges of whole pages."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._free: Ranges = [(1, capacity)] if capacity > 1 else []
+    def __init__(self, capacity: int, page_size: int = 1):
+        if page_size < 1 or capacity % page_size:
+            raise ValueError(f"a page size of {page_size} does not tile a capacity of {capacity}")
+        self.capacity, self.page_size = capacity, page_size
+        self._free: Ranges = [(page_size, capacity)] if capacity > page_size else []
         self._live: dict[int, Ranges] = {}
         """The ranges each live allocation holds, by allocation id."""
         self._next_id = 0
@@ -41,8 +46,10 @@ class LocationAllocator:
         self._returned: collections.deque[int] = collections.deque()
 
     def allocate(self, count: int, what: str) -> tuple[int, torch.Tensor]:
-        """`count` free locations, ascending, as (allocation id, int64 tensor); `what` names the
-        request in the error when they are not free."""
+        """`count` free locations (a multiple of the page size), ascending, as (allocation id,
+        int64 tensor); `what` names the request in the error when they are not free."""
+        if count % self.page_size:
+            raise ValueError(f"{what}: {count} locations are not whole pages of {self.page_size}")
         if count > self.free_locations():
             gc.collect()  # caches dropped inside reference cycles (outside the lock: gc runs arbitrary code)
         with self._lock:
@@ -50,7 +57,8 @@ class LocationAllocator:
             free = self._free_count()
             if count > free:
                 raise MemoryError(
-                    f"{what} needs {count} KV locations; the pool has {self.capacity - 1} (location 0 is reserved), "
+                    f"{what} needs {count} KV locations; the pool has {self.capacity - self.page_size} "
+                    f"({reserved(self.page_size)}), "
                     f"{free} of them free: {len(self._live)} live cache(s) hold the rest. Release a "
                     "cache (cache.release(), or drop every reference to it), make a smaller one, or pass a larger "
                     "kv_capacity to dcp_compile.apply")
@@ -110,6 +118,11 @@ class LocationAllocator:
         self._free = merged
 
 
+def reserved(page_size: int) -> str:
+    """What of a pool no cache gets, for the errors."""
+    return "location 0 is reserved" if page_size == 1 else f"the page of location 0, {page_size} locations, is reserved"
+
+
 _ALLOCATORS: "weakref.WeakKeyDictionary[MLAKVPool, LocationAllocator]" = weakref.WeakKeyDictionary()
 _ALLOCATORS_LOCK = threading.Lock()
 
@@ -118,9 +131,9 @@ def allocator(pool: MLAKVPool) -> LocationAllocator:
     """The one allocator of `pool`'s locations, made at its first cache (over its logical capacity)."""
     with _ALLOCATORS_LOCK:
         found = _ALLOCATORS.get(pool)
-        if found is None or found.capacity != pool.capacity:
+        if found is None or found.capacity != pool.capacity or found.page_size != pool.page_size:
             if found is not None and found.live_caches():
                 raise RuntimeError(f"the KV pool's capacity changed from {found.capacity} to {pool.capacity} while "
                                    f"{found.live_caches()} cache(s) of it are live: reshard a pool before any cache")
-            found = _ALLOCATORS[pool] = LocationAllocator(pool.capacity)
+            found = _ALLOCATORS[pool] = LocationAllocator(pool.capacity, pool.page_size)
         return found

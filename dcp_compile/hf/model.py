@@ -47,11 +47,13 @@ from dcp_compile.compiled_step import CompiledStep, DCPState
 from dcp_compile.config import DCPConfig
 from dcp_compile.hf.absorb import AbsorbError, AbsorbMLA
 from dcp_compile.hf.agreement import GroupAgreement
-from dcp_compile.hf.cache import LINEAR_ATTENTION, DCPCache
+from dcp_compile.hf.cache import LINEAR_ATTENTION, DCPCache, step_host_metadata
 from dcp_compile.hf.locations import allocator
 from dcp_compile.strategy import REPLICATED_Q
 from dcp_compile.runtime import parallel
-from dcp_compile.runtime.kv_pool import MLAKVPool
+from dcp_compile.lowering import registry
+from dcp_compile.runtime.host_metadata import HostMetadata
+from dcp_compile.runtime.kv_pool import MLAKVPool, PoolSpec
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "sarvam_mla", "kimi_linear")
 """transformers model types whose attention the absorb pass knows: DeepSeek-V3 (Kimi-K2 and
@@ -123,12 +125,14 @@ def _check_model(model: nn.Module, config: DCPConfig) -> None:
 
 
 def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | None = None,
-                       kv_keep: str = "memory") -> "DCPTransformersModel":
+                       kv_keep: str = "memory", block_size: int | None = None) -> "DCPTransformersModel":
     """dcp_compile.apply's path for transformers models (see the module docstring).
 
     kv_capacity: KV locations of the pool before sharding (default 1 + the model's
-    max_position_embeddings); kv_keep='memory' keeps that many rows per rank and grows the
-    logical capacity dcp_size-fold, 'capacity' keeps the capacity and shrinks the rows."""
+    max_position_embeddings), rounded up to whole pages; kv_keep='memory' keeps that many rows
+    per rank and grows the logical capacity dcp_size-fold, 'capacity' keeps the capacity and
+    shrinks the rows. block_size: the KV rows of one page on one rank, for back ends that read
+    the pool as blocks (default the back end's: Lowering.default_block_size, 128 for FIA)."""
     _check_model(model, config)
     if "forward" in vars(model):
         raise ValueError(f"this {type(model).__name__} was already passed to dcp_compile.apply (its forward is a DCP "
@@ -140,9 +144,19 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
     capacity = kv_capacity if kv_capacity is not None else 1 + text.max_position_embeddings
     kinds = _layer_types(text) or ["full_attention"] * text.num_hidden_layers
     attention_layers = sum(kind != LINEAR_ATTENTION for kind in kinds)  # a hybrid's linear layers keep no KV
-    pool = MLAKVPool(attention_layers, capacity, text.kv_lora_rank, text.qk_rope_head_dim, model.dtype,
-                     model.device)
-    binding = bind(config, pool, model, replicated=True, who="the transformers front end")
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+    def page_size(lowering) -> int:
+        return lowering.pool_page_size(config.dcp_size, config.interleave, block_size)
+
+    spec = PoolSpec(model.device, text.kv_lora_rank, text.qk_rope_head_dim, model.dtype, 1)
+    lowering = registry.resolve(config.kernels, spec, config, page_size=page_size)
+    page = page_size(lowering)
+    pool = MLAKVPool(attention_layers, -(-capacity // page) * page, text.kv_lora_rank, text.qk_rope_head_dim,
+                     model.dtype, model.device, page_size=page)
+    binding = bind(config.replace(kernels=lowering.name), pool, model, replicated=True,
+                   who="the transformers front end")
     groups = parallel.build_replicated(config.dcp_size)
     binding.shard_pool(groups.dcp_rank, kv_keep)
     absorb = AbsorbMLA()
@@ -273,20 +287,26 @@ class DCPTransformersModel(nn.Module):
             cache = call.get(self.cache_kwarg)
             padded = cache is not None and any(cache.pads)
             self._check_padding_is_served(padded)
-            # A hybrid model compiles per shape: its KDA layers' chunked reference code pads by a
-            # length-dependent amount, which a symbolic length does not survive (a 3-layer Kimi-Linear
-            # failed so: "SymIntArrayRef expected to contain only concrete integers").
-            symbolic = (not self.dcp_state.lowering.static_shapes(self._strategy, self.dcp_state.config.inner_compile)
-                        and LINEAR_ATTENTION not in (self._layer_types or ()))
+            symbolic = self.symbolic_steps()
             key = self._graphs.key(call, self.cache_kwarg) if self._graphs is not None else None
             if key is not None:
                 self._compiled_step.agree_on_shapes(self._strategy, (), call)
                 out = self._graphs.run(call, self.cache_kwarg, key)
                 self._check_padding_is_served(padded)  # a layer the capture's compile left as it is
                 return out
-            out = self._compiled_step.run(self._strategy, (), call, symbolic=symbolic and self._symbolic_lengths)
+            host = self._host_metadata(call)
+            out = self._compiled_step.run(self._strategy, (), call, host, symbolic=symbolic and self._symbolic_lengths)
             self._check_padding_is_served(padded)  # a layer this step's compile left as it is
             return out
+
+    def symbolic_steps(self) -> bool:
+        """Whether the step compiles symbolic in its lengths (one graph for every prompt length):
+        not where the back end plans each shape on the host, nor for a hybrid model."""
+        # A hybrid model compiles per shape: its KDA layers' chunked reference code pads by a
+        # length-dependent amount, which a symbolic length does not survive (a 3-layer Kimi-Linear
+        # failed so: "SymIntArrayRef expected to contain only concrete integers").
+        return (not self.dcp_state.lowering.static_shapes(self._strategy, self.dcp_state.config.inner_compile)
+                and LINEAR_ATTENTION not in (self._layer_types or ()))
 
     def capture_decode_graphs(self, batch_sizes=(1, 2, 4, 8, 16, 32, 64), max_length: int | None = None) -> None:
         """From now on, replay one-token steps (generate()'s decode steps) of these batch sizes, over
@@ -302,6 +322,15 @@ class DCPTransformersModel(nn.Module):
     def decode_graphs(self):
         """The captured decode graphs (capture_decode_graphs), or None."""
         return self._graphs
+
+    def _host_metadata(self, call: dict) -> HostMetadata | None:
+        """The step's local lengths and block tables on the host, for back ends that plan there
+        (FIA, FlashInfer): from the cache's host page table, its length and each row's padding."""
+        cache = call.get(self.cache_kwarg)
+        if not self.dcp_state.lowering.plans_on_host or cache is None:
+            return None
+        inputs = call["input_ids"] if call.get("input_ids") is not None else call["inputs_embeds"]
+        return step_host_metadata(cache, inputs.shape[1], self.dcp_state.config)
 
     def _check_padding_is_served(self, padded: bool) -> None:
         """Padding is each row's own length in the absorbed attention; a layer left to transformers'

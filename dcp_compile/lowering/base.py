@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,9 @@ from dcp_compile.runtime.host_inputs import HostFeed
 from dcp_compile.runtime.kv_pool import PACKED, KVLayout
 
 GENERIC_INNER_COMPILERS = ("eager", "inductor")
+POOL_STRATEGIES = ("gather-q", "replicated-q")
+"""The strategies whose attention reads the KV pool in place (gather-kv reads gathered rows): a
+back end that plans that read on the host compiles their graphs per batch shape."""
 
 
 class Unsupported(ValueError):
@@ -80,6 +84,9 @@ class Lowering:
     whose options choose it makes this a property of its options."""
     plans_on_host: bool = False
     """Whether its kernels read host metadata of each step (lengths, block tables, plans)."""
+    default_block_size: int = 1
+    """The local block (rows of one page on one rank) of a KV pool made for it, where the caller
+    does not say (the transformers front end's pool)."""
     inner_compilers: tuple[str, ...] = GENERIC_INNER_COMPILERS
     """The inner compilers its graphs run under (DCPConfig.inner_compile)."""
     baseline: str | None = None
@@ -177,8 +184,24 @@ class Lowering:
         """The page size its kernels read, given a block size, or None where any page serves."""
         return None
 
+    def replicated_refusal(self) -> str | None:
+        """Why it cannot serve the replicated-q strategy (models whose heads are not split), or None."""
+        return None
+
     def check_layout(self, page_size: int, dcp_size: int, interleave: int) -> None:
         """Raise ValueError unless its kernels can read pages of `page_size` over this layout."""
+
+    def pool_page_size(self, dcp_size: int, interleave: int, block_size: int | None = None) -> int:
+        """The page size of a KV pool made for it (`block_size` local rows a page, default
+        default_block_size): page_size() where it sets pages; whole local blocks where it plans on
+        the host (its block tables); else 1, any location anywhere."""
+        block_size = block_size or self.default_block_size
+        page = self.page_size(dcp_size, interleave, block_size)
+        if page is not None:
+            return page
+        if self.plans_on_host:
+            return dcp_size * math.lcm(block_size, interleave)
+        return 1
 
     def host_feed(self, gm: fx.GraphModule, dcp_rank: int) -> HostFeed | None:
         """The feed of a graph it lowered, or None where the graph reads nothing from the host."""

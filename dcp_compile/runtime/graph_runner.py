@@ -136,6 +136,20 @@ class NPUGraphs(_DeviceGraphs):
         return self._applied.get(id(graph))
 
 
+def feed_replay(feeds: list[HostFeed], host: HostMetadata | None, debug: bool = False) -> list[dict] | None:
+    """Feed every graph a captured step ran for this step's host metadata; returns what the
+    graph back end must push before the replay (NPU graphs' host lengths), or None."""
+    updates = []
+    for feed in feeds:
+        rank = feed.rank_view(host)
+        feed.prepare(rank)
+        feed.values(rank)
+        if debug:  # a feed that did not happen would replay another step's inputs
+            feed.check_fed(rank)
+        updates.extend(feed.graph_updates(rank) or [])
+    return updates or None
+
+
 def device_graphs(device: torch.device) -> _DeviceGraphs:
     """The graph back end of a device: CUDA graphs, or NPU graphs."""
     backends = {"cuda": CudaGraphs, "npu": NPUGraphs}
@@ -216,16 +230,7 @@ class GraphRunner:
             self.host_slot.end()
 
     def _feed(self, feeds: list[HostFeed], host: HostMetadata | None) -> list[dict] | None:
-        """Feed every captured graph for this step; returns what the back end must push."""
-        updates = []
-        for feed in feeds:
-            rank = feed.rank_view(host)
-            feed.prepare(rank)
-            feed.values(rank)
-            if self.debug:  # a feed that did not happen would replay another step's inputs
-                feed.check_fed(rank)
-            updates.extend(feed.graph_updates(rank) or [])
-        return updates or None
+        return feed_replay(feeds, host, self.debug)
 
     @staticmethod
     def _padded(batch: ForwardBatch, bucket: int,

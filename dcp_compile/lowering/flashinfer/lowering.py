@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from dcp_compile.lowering import flashinfer
+from dcp_compile.lowering.base import POOL_STRATEGIES
 from dcp_compile.lowering.flashinfer.lower_attention import LowerFlashInferAttention, flashinfer_block_size
 from dcp_compile.lowering.flashinfer import plans
 from dcp_compile.lowering.flashinfer.plans import PLAN_SPECS, FlashInferFeed
@@ -44,7 +45,7 @@ class FlashInferLowering(TritonLowering):
         return dcp_size > 1  # at dcp_size 1 FlashInfer's own causal mask serves any chunk
 
     def static_shapes(self, strategy: str, inner_compile: str) -> bool:
-        return strategy == "gather-q"
+        return strategy in POOL_STRATEGIES
 
     def passes(self) -> list:
         return [LowerFlashInferAttention(), LowerKernels(devices=("cuda",)), *self.projection_passes()]

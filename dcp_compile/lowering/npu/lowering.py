@@ -11,14 +11,14 @@ import logging
 import torch
 import torch.fx as fx
 
-from dcp_compile.lowering.base import Lowering
+from dcp_compile.lowering.base import POOL_STRATEGIES, Lowering
 from dcp_compile.lowering.kv_layout import SplitKVCache, SplitLayout
 from dcp_compile.lowering.npu.feed import FIAFeed
 from dcp_compile.lowering.npu import native_ops, versions
 from dcp_compile.lowering.npu.kv_layout import PART_VIEWS, NZLayout
 from dcp_compile.lowering.npu.native import LowerNativeKernels
-from dcp_compile.lowering.npu.lower_attention import (MAX_UPDATE_SHARDS, LowerNPUAttention, fia_block_size, has_fia_v2,
-                                                      has_scatter_pa_kv_cache, padded_heads)
+from dcp_compile.lowering.npu.lower_attention import (DEFAULT_BLOCK_SIZE, MAX_UPDATE_SHARDS, LowerNPUAttention,
+                                                      fia_block_size, has_fia_v2, has_scatter_pa_kv_cache, padded_heads)
 from dcp_compile.lowering.npu.options import NPUOptions
 from dcp_compile.lowering.triton.lower_kernels import LowerKernels
 from dcp_compile.ops import nz
@@ -37,6 +37,7 @@ class NPULowering(Lowering):
     options = NPUOptions()
     window = WINDOW_QUERIES
     plans_on_host = True
+    default_block_size = DEFAULT_BLOCK_SIZE
     model_dims = (512, 64)  # FIA's MLA path (docs/ascend.md §4.1)
     dtypes = (torch.bfloat16, torch.float16)  # docs/ascend.md §4.6
     inner_compilers = ("eager", "torchair")  # inductor does not lower the torch_npu ops
@@ -129,7 +130,7 @@ class NPULowering(Lowering):
         return torchair_compiler(self.options.torchair_mode)
 
     def static_shapes(self, strategy: str, inner_compile: str) -> bool:
-        return strategy == "gather-q" or inner_compile == "torchair"
+        return strategy in POOL_STRATEGIES or inner_compile == "torchair"
 
     def page_size(self, dcp_size: int, interleave: int, block_size: int) -> int:
         """One FIA block per rank per page (interleave 1), or one rank per page (interleave = block)."""
