@@ -108,7 +108,7 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kernels", nargs="+", default=["triton"])
+    parser.add_argument("--kernels", nargs="+", default=["flashinfer", "triton"])
     parser.add_argument("--no-graphs", action="store_true", help="decode steps without CUDA graph replay")
     parser.add_argument("--tolerance", type=float, default=0.1, help="bf16 logit tolerance of the near-tie rule")
     args = parser.parse_args(argv)

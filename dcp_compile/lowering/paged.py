@@ -26,8 +26,10 @@ import torch.fx as fx
 from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
+from dcp_compile.lowering.base import POOL_STRATEGIES
 from dcp_compile.ops import targets
 from dcp_compile.passes.base import GraphPass, PassConfig
+from dcp_compile.passes.replicated_q_attention import STRATEGY as REPLICATED_Q
 from dcp_compile.passes.graph_utils import call, fake_mode_of, fake_value, replace_attention, size_of
 from dcp_compile.passes.sites import PoolAttention, find_pool_attention
 from dcp_compile.runtime.host_inputs import HOST_INPUT, HostInput
@@ -182,8 +184,8 @@ def lower_pool_attention(graph: fx.Graph, site: PoolAttention, kernel: PrefixKer
 
 
 class PagedAttentionPass(GraphPass):
-    """Lowers every attention over the pool of a gather-q graph to a paged kernel (`kernel`), on
-    the host-fed block table and lengths, with the split where `split(config)`."""
+    """Lowers every attention over the pool of a gather-q or replicated-q graph to a paged kernel
+    (`kernel`), on the host-fed block table and lengths, with the split where `split(config)`."""
 
     reader = ""
     """The kernel, as errors name it."""
@@ -191,7 +193,16 @@ class PagedAttentionPass(GraphPass):
     """Whether its split serves rows of any query count (its kernel cuts them into pieces)."""
 
     def applies(self, config: PassConfig) -> bool:
-        return config.attention_strategy == "gather-q"
+        return config.attention_strategy in POOL_STRATEGIES
+
+    def _lowers(self, config: PassConfig, site: PoolAttention) -> bool:
+        """Whether this site takes the paged kernel. Under replicated-q (which has no gather-kv
+        graph to send longer chunks to) a chunk longer than the split serves stays for the back
+        end's general kernels; under gather-q lower_pool_attention refuses it."""
+        if config.attention_strategy != REPLICATED_Q or self.any_chunk or not self.split(config, site):
+            return True
+        tokens, rows = fake_value(site.q_latent).shape[0], fake_value(site.req_to_token).shape[0]
+        return tokens == rows or tokens <= targets.WINDOW_QUERIES * rows
 
     def prepare(self, gm: fx.GraphModule) -> None:
         """Before the sites (register ops, reset per-graph state)."""
@@ -221,7 +232,7 @@ class PagedAttentionPass(GraphPass):
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         self.prepare(gm)
         graph = gm.graph
-        found = find_pool_attention(graph, config.dcp_size)
+        found = [site for site in find_pool_attention(graph, config.dcp_size) if self._lowers(config, site)]
         if found:
             block_size = self.block_size(config)
             first = found[0]

@@ -6,8 +6,8 @@ the flag is raised at the next step. The steps before run and match the same mod
 dcp_size=1.
 
 On the emulated npu device the front end takes kernels='torch' (the torch reference on the
-device): 'auto' resolves to the npu back end, which plans on the host and splits the KV layout,
-and so serves no replicated-q (refused at apply). The npu model is dense (no MoE layer):
+device): 'auto' resolves to the npu back end, whose FIA refuses this fp32 model of latent width
+16 by name at apply (tests/hf/test_decode_graphs.py runs FIA's widths). The npu model is dense (no MoE layer):
 transformers' grouped-mm experts off the CPU count tokens per expert with an int histc, which
 has only a CPU float kernel for the emulated device to run.
 """
@@ -98,7 +98,7 @@ def test_a_tripped_batch_guard_is_flagged_raised_at_the_next_step_and_latches_on
     the bad step returns, the next one raises the flag on every rank, and the one after is
     refused by the latch."""
     for result in spawn(guarded_steps, 2, "npu", backend="hccl"):
-        assert "kernels='npu'" in result["auto_refused"] and "replicated-q" in result["auto_refused"]
+        assert "kernels='npu'" in result["auto_refused"] and "kv_lora_rank 512" in result["auto_refused"]
         _check_good_steps(result)
         assert result["bad"] == ("ok", True)
         raised, refused = result["after"]

@@ -1,13 +1,19 @@
-"""generate()'s decode steps replayed from device graphs (dcp_compile/hf/graphs.py), on 2 ranks of
-the emulated npu device (NPU graphs, whose replay runs exactly the recorded ops on the captured
-buffers, and refuses host traffic in a capture), with the Triton kernels under the interpreter,
-as triton-ascend would run them there.
+"""The transformers front end on the npu device, with generate()'s decode steps replayed from
+device graphs (dcp_compile/hf/graphs.py): on 2 ranks of the emulated npu device (hccl; NPU graphs,
+whose replay runs exactly the recorded ops on the captured buffers, takes the host-fed FIA
+lengths as NPUGraph.update pushes them, and refuses host traffic in a capture).
 
-DeepSeek-V3 tiny at DCP 2, dense layers (transformers' MoE counts tokens with histc on integers,
-which has no CPU kernel, and the emulator runs CPU kernels): batches of 2 and 1 rows, a
-left-padded batch of prompts of 1, 7 and 20 tokens, and a second batch of 2 rows that replays the
-graph captured for the first: transformers' tokens, logits within 1e-5 in fp32, and bf16 under the
-near-tie rule (BF16_LOGITS); every decode step replayed, one graph per batch size.
+Two back ends, in one launch:
+- kernels='npu' (the NPU lowering: FIA over the pool, npu_attention_update for the merge, the
+  native ops for the rest), on DeepSeek-V3 tiny with FIA's widths (R 512, P 64) in bf16 (FIA's
+  dtypes), at DCP 2 and at dcp_size 1, under the near-tie rule (BF16_LOGITS);
+- kernels='triton' in fp32 at DCP 2, its kernels under the Triton interpreter as triton-ascend
+  would run them there: transformers' tokens, logits within 1e-5.
+
+Dense layers (transformers' MoE counts tokens with histc on integers, which has no CPU kernel, and
+the emulator runs CPU kernels). Batches of 2 and 1 rows, a left-padded batch of prompts of 1, 7
+and 20 tokens, and a second batch of 2 rows that replays the graph captured for the first; every
+decode step replayed, one graph per batch size.
 """
 
 from __future__ import annotations
@@ -26,16 +32,24 @@ LENGTHS = (1, 7, 20)
 BF16_LOGITS = 0.2
 """bf16's logit tolerance: the tiny model's logits reach about 10 (initializer_range 0.2), where a
 bf16 step is 0.06; the absorbed and the expanded attention round apart by up to 0.1 here."""
+FIA_WIDTHS = dict(kv_lora_rank=512, qk_rope_head_dim=64)
+FIA_BLOCK = 16
+"""FIA's smaller block size (16 or 128 on a CANN of 2025): pages of 16 rows per rank."""
+CASES = (("triton", torch.float32, 2), ("npu", torch.bfloat16, 2), ("npu", torch.bfloat16, 1))
+"""(kernels, dtype, dcp_size)."""
 
 
-def rank_generates(rank: int, world: int, dtype: torch.dtype) -> dict:
+def rank_generates(rank: int, world: int, kernels: str, dtype: torch.dtype, dcp_size: int) -> dict:
     import dcp_compile
     from tests.hf.models import agree_near_ties, prompt, tiny_model
     from tests.hf.test_caches_and_generate import _left_padded
 
     device = torch.device("npu", torch.npu.current_device())
-    reference = tiny_model(first_k_dense_replace=2).to(dtype)
-    model = dcp_compile.apply(copy.deepcopy(reference).to(device), dcp_size=world, kernels="triton", kv_capacity=512)
+    widths = FIA_WIDTHS if kernels == "npu" else {}
+    reference = tiny_model(first_k_dense_replace=2, **widths).to(dtype)
+    extra = {"block_size": FIA_BLOCK} if kernels == "npu" else {}
+    model = dcp_compile.apply(copy.deepcopy(reference).to(device), dcp_size=dcp_size, kernels=kernels,
+                              kv_capacity=1024, **extra)
     model.capture_decode_graphs(batch_sizes=(1, 2, 3), max_length=64)
     _, padded, mask = _left_padded(LENGTHS)
     calls = [(prompt(), {}), (prompt(3)[:1], {}), (padded, {"attention_mask": mask}), (prompt(5), {})]
@@ -55,28 +69,55 @@ def rank_generates(rank: int, world: int, dtype: torch.dtype) -> dict:
             near_tie = ("failed", repr(exc))
         results.append(dict(tokens_equal=bool(torch.equal(got[0], want[0])), near_tie=near_tie,
                             logits=float((got[1].float() - want[1].float()).abs().max())))
-    graphs = model.decode_graphs
+    graphs, state = model.decode_graphs, dcp_compile.state(model)
+    ops = [dict(report.records[-1].ops_after) for report in state.reports]
     return dict(results=results, replays=graphs.replays, captured=sorted(key[0] for key in graphs.captured),
-                compiled=len(dcp_compile.state(model).reports))
+                compiled=len(state.reports), ops=ops, kernels=state.lowering.name, page_size=state.kv_pool.page_size)
 
 
 def rank_runs(rank: int, world: int) -> dict:
-    """Both dtypes in one launch."""
-    return {dtype: rank_generates(rank, world, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    """Every case in one launch."""
+    return {case: rank_generates(rank, world, *case) for case in CASES}
 
 
-@pytest.mark.usefixtures("npu_emulator")
-def test_generate_replays_decode_graphs_with_transformers_tokens():
-    for ranks in spawn(rank_runs, 2, backend="hccl"):
-        for dtype, rank in ranks.items():
-            for result in rank["results"]:
-                assert result["near_tie"][0] == "ok", (dtype, result)
-                if dtype == torch.float32:
-                    assert result["tokens_equal"] and result["logits"] < 1e-5, result
-            _check_graphs(rank)
+@pytest.fixture(scope="module")
+def ranks(npu_emulator):
+    return spawn(rank_runs, 2, backend="hccl")
 
 
-def _check_graphs(rank: dict) -> None:
-    assert rank["replays"] == 4 * (NEW_TOKENS - 1)  # every decode step of the 4 calls
-    assert rank["captured"] == [1, 2, 3]  # the second batch of 2 replays the first's graph
-    assert rank["compiled"] == 4  # (1 row | more) x (prefill | decode), whatever the lengths and padding
+@pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case[0]}-{str(case[1])[6:]}-dcp{case[2]}")
+def test_generate_replays_decode_graphs_with_transformers_tokens(ranks, case):
+    kernels, dtype, dcp_size = case
+    for rank in ranks:
+        run = rank[case]
+        assert run["kernels"] == kernels
+        for result in run["results"]:
+            assert result["near_tie"][0] == "ok", result
+            if dtype == torch.float32:
+                assert result["tokens_equal"] and result["logits"] < 1e-5, result
+        assert run["replays"] == 4 * (NEW_TOKENS - 1)  # every decode step of the 4 calls
+        assert run["captured"] == [1, 2, 3]  # the second batch of 2 replays the first's graph
+
+
+def test_the_npu_lowering_runs_fia_over_the_pool_and_merges_with_attention_update(ranks):
+    """kernels='npu' compiles per shape (its FIA lengths are planned on the host): a graph per
+    prefill length and batch, each of whose 2 MLA layers is one FIA call over the pool; at DCP 2
+    the partials merge with npu_attention_update, and no layer is left to the reference ops."""
+    for rank in ranks:
+        for dcp_size in (2, 1):
+            run = rank[("npu", torch.bfloat16, dcp_size)]
+            assert run["page_size"] == FIA_BLOCK * dcp_size
+            for ops in run["ops"]:
+                assert _count(ops, "npu_fused_infer_attention_score") == 2, " ".join(sorted(ops))
+                assert _count(ops, "npu_attention_update") == (2 if dcp_size > 1 else 0), ops
+                assert not any(name.startswith("dcp::mla_") for name in ops), ops
+
+
+def _count(ops: dict, fragment: str) -> int:
+    return sum(count for name, count in ops.items() if fragment in name)
+
+
+def test_triton_compiles_one_graph_per_kind_of_step(ranks):
+    """(1 row | more) x (prefill | decode), whatever the lengths and padding."""
+    for rank in ranks:
+        assert rank[("triton", torch.float32, 2)]["compiled"] == 4
