@@ -22,8 +22,9 @@ STEPS = [[[5, 6, 7, 8, 9, 10, 11], [12], []], [[1], [2], [3]], [[4] * 3, [5] * 3
 """Prefill (row 2 joins later: an empty shard on both ranks), decode, verify k = 3, an extend chunk, decode."""
 
 
-def _model():
-    return MLAModel(preset("tiny").replace(layer_types=LAYERS), kv_capacity=256, max_requests=4, seed=11)
+def _model(page_size: int = 1):
+    return MLAModel(preset("tiny").replace(layer_types=LAYERS), kv_capacity=256, max_requests=4, seed=11,
+                    page_size=page_size)
 
 
 def _errors(dcp_size: int) -> dict:
@@ -40,9 +41,9 @@ def _errors(dcp_size: int) -> dict:
     return found
 
 
-def _worst(model, reference) -> tuple[float, int]:
+def _worst(model, reference, page_size: int = 1) -> tuple[float, int]:
     """The largest logits difference over STEPS, and the steps run."""
-    tables, worst, steps = [RequestTable(4, 64, 256) for _ in range(2)], 0.0, 0
+    tables, worst, steps = [RequestTable(4, 64, 256, page_size) for _ in range(2)], 0.0, 0
     for tokens in STEPS:
         rows = [r for r, t in enumerate(tokens) if t]
         logits = []
@@ -59,13 +60,17 @@ def rank_run(rank: int, world: int) -> dict:
     worst, steps = _worst(dcp, dcp_compile.apply(_model(), 1))
     control, _ = _worst(dcp_compile.apply(_model(), world, disabled_passes=("shard_kv_write",)),
                         dcp_compile.apply(_model(), 1))
+    # FlashInfer (its torch stand-in on the CPU), which plans on the host: pages of one block a rank.
+    flashinfer = dcp_compile.apply(_model(world), world, kernels="flashinfer")
+    flashinfer_worst, _ = _worst(flashinfer, dcp_compile.apply(_model(world), 1), world)
+    flashinfer_ops = [dict(r.records[-1].ops_after) for r in dcp_compile.state(flashinfer).reports]
     state = dcp_compile.state(dcp)
     reports = [r for b in state.backends.values() for r in b.reports]
     return {"worst": worst, "control_worst": control, "steps": steps, "strategies": dict(state.strategy_counts), "backends": sorted(state.backends),
             "summary": state.pass_summary(), "graphs": len(reports),
             "ops_after": [{k: v for k, v in r.records[-1].ops_after.items() if "::" in k or k == "linear"} for r in reports],
             "dcp_rank": state.parallel.dcp_rank, "capacity_ratio": state.capacity.capacity_ratio,
-            "errors": _errors(world)}
+            "errors": _errors(world), "flashinfer_worst": flashinfer_worst, "flashinfer_ops": flashinfer_ops}
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +91,18 @@ def test_replicated_q_at_tp_size_one_equals_dcp_size_one(runs):
             assert ops.get("dcp::mla_partial_attention") == mla_layers
             assert ops.get("_c10d_functional::all_gather_into_tensor") == mla_layers  # (out, lse) only: no Q gather
             assert ops.get("_c10d_functional::all_to_all_single", 0) == 0 and ops.get("dcp::mla_attention", 0) == 0
+
+
+def test_flashinfer_serves_replicated_q(runs):
+    """A back end that plans on the host serves replicated-q: FlashInfer's paged kernel over the
+    local shard in every graph (no step here has more query tokens than its split serves), every
+    step equal to dcp_size=1."""
+    for result in runs:
+        assert result["flashinfer_worst"] < 1e-5
+        assert len(result["flashinfer_ops"]) == 4  # prefill, decode, verify, extend: static shapes
+        for ops in result["flashinfer_ops"]:
+            assert ops.get("dcp_flashinfer::mla_paged_attention") == LAYERS.count("mla"), ops
+            assert ops.get("dcp::mla_partial_attention", 0) == 0
 
 
 def test_negative_control_without_the_sharded_kv_write_differs(runs):

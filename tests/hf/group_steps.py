@@ -110,13 +110,13 @@ def group_steps(rank: int, world: int) -> dict:
         results["sampling_differs"] = _outcome(lambda: model.generate(first, max_new_tokens=NEW_TOKENS,
                                                                       do_sample=rank == 0))
     results["outer_compile"] = _outer_compile(reference, first, world)
-    results["left_padded"] = _left_padded_batch(world)
+    results["left_padded"] = {kernels: _left_padded_batch(world, kernels) for kernels in ("auto", "flashinfer")}
     results["after_refused_calls"] = _difference(_generate(model, second, do_sample=False),
                                                  _generate(reference, second, do_sample=False))
     return results
 
 
-def _left_padded_batch(world: int) -> dict:
+def _left_padded_batch(world: int, kernels: str) -> dict:
     """Prompts of 1, 7 and 20 tokens in one left-padded batch, the mask built by generate() from
     the pad token: transformers' tokens and logits, and the KV rows this rank stores (the
     padding never written)."""
@@ -125,7 +125,7 @@ def _left_padded_batch(world: int) -> dict:
     reference = tiny_model()
     for config in (reference.config, reference.generation_config):
         config.pad_token_id = 0
-    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=world, kv_capacity=256)
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=world, kv_capacity=256, kernels=kernels)
     _, input_ids, mask = _left_padded((1, 7, 20))
     with torch.no_grad():
         got = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,

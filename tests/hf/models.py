@@ -103,7 +103,8 @@ def compare(model, dcp_size: int = 1, **apply_kwargs) -> dict:
                 tokens_total=input_ids.shape[0] * (input_ids.shape[1] + NEW_TOKENS - 1),
                 tokens_stored=stored, pass_summary=state.pass_summary(), graphs=len(state.reports),
                 graph_ops=[graph_ops(report) for report in state.reports],
-                dcp_size=state.config.dcp_size, capacity_ratio=state.capacity.capacity_ratio)
+                dcp_size=state.config.dcp_size, capacity_ratio=state.capacity.capacity_ratio,
+                kernels=state.lowering.name)
 
 
 def graph_ops(report) -> dict:

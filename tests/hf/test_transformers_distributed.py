@@ -28,12 +28,15 @@ MATCHING = {
     "kimi-linear": {"overrides": {"family": "kimi-linear"}},
 }
 CONTROLS = {"scale+10%": {"scale_factor": 1.1}, "unsharded-write": {"apply": {"disabled_passes": ("shard_kv_write",)}}}
+BACK_ENDS = {"v3-flashinfer": {"apply": {"kernels": "flashinfer"}}}
+"""Back ends that plan on the host, on the CPU: FlashInfer's torch stand-in (its plans, CSR page
+lists and lengths handed to the wrapper as on a GPU)."""
 
 
 @pytest.fixture(scope="module")
 def launch():
     """Every case and group_steps in one launch of 2 ranks: [rank 0's results, rank 1's]."""
-    cases = {name: case for name, case in {**MATCHING, **CONTROLS}.items()
+    cases = {name: case for name, case in {**MATCHING, **CONTROLS, **BACK_ENDS}.items()
              if available(case.get("overrides", {}).get("family", "v3"))}
     return cases, spawn(rank_runs, DCP_SIZE, list(cases.values()))
 
@@ -75,6 +78,22 @@ def test_generate_matches_transformers(runs, case):
     stored = [result["tokens_stored"] for result in runs[case]]
     assert sum(stored) == runs[case][0]["tokens_total"]
     assert max(stored) - min(stored) <= 2  # token-interleaved: about half each
+
+
+def test_flashinfer_matches_transformers(runs):
+    """kernels='flashinfer' at DCP 2: every layer's attention over the local shard is FlashInfer's
+    paged MLA kernel (here its stand-in), planned on the host from the cache's page table; the
+    tokens and logits are transformers'."""
+    for result in runs["v3-flashinfer"]:
+        assert result["tokens_equal"] and result["max_logit_diff"] < 1e-5
+        assert result["kernels"] == "flashinfer"
+        for ops in result["graph_ops"]:
+            after = ops["after"]
+            assert after.get("dcp_flashinfer::mla_paged_attention") == LAYERS, after
+            assert after.get("dcp::mla_partial_attention", 0) == 0
+            assert after.get("_c10d_functional::all_gather_into_tensor") == LAYERS
+    stored = [result["tokens_stored"] for result in runs["v3-flashinfer"]]
+    assert sum(stored) == runs["v3-flashinfer"][0]["tokens_total"]
 
 
 def test_negative_control_perturbed_scale(runs):
@@ -174,7 +193,9 @@ def test_torch_compile_around_the_applied_model_keeps_dcp(group):
 
 def test_a_left_padded_batch_matches_transformers_with_the_padding_never_stored(group):
     """Prompts of 1, 7 and 20 tokens, left-padded: transformers' tokens and logits on every rank,
-    and the ranks together store each row's own tokens only."""
-    for result in group:
-        _matches_transformers(result["left_padded"])
-    assert sum(result["left_padded"]["stored"] for result in group) == group[0]["left_padded"]["tokens"]
+    and the ranks together store each row's own tokens only; on the torch kernels and on
+    FlashInfer (its stand-in), whose host plans read each row's padding as columns not stored."""
+    for kernels in ("auto", "flashinfer"):
+        for result in group:
+            _matches_transformers(result["left_padded"][kernels])
+        assert sum(result["left_padded"][kernels]["stored"] for result in group) == group[0]["left_padded"][kernels]["tokens"]
