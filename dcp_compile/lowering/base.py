@@ -12,7 +12,9 @@ backend, the demo, the dump) asks it through these members and never names one:
   `check_layout(page_size, dcp_size, interleave)` for pages alone (the demo's flags);
 - its KV layout: `kv_layout` (a runtime.kv_pool.KVLayout: the shapes a generic pool allocates),
   `page_size(dcp_size, interleave, block_size)` (the pages its kernels read, where it sets
-  them), `model_dims` and `dtypes` (data: the widths and dtypes its kernels take);
+  them), `pool_page_size(...)` and `default_block_size` (the pages of a pool made for it: the
+  transformers front end's), `model_dims` and `dtypes` (data: the widths and dtypes its kernels
+  take); `replicated_refusal()` where it cannot serve models whose heads are not split;
 - its passes: `passes()`, run after the DCP rewrites, before cleanup and the verifier, and its
   answer to `fuse_projections='auto'`;
 - its inner compilers: `inner_compilers` (the names it runs under, 'eager' and 'inductor' or

@@ -56,6 +56,17 @@ def test_generate_matches_transformers(overrides):
     assert result["tokens_stored"] == result["tokens_total"]
 
 
+def test_flashinfer_matches_transformers():
+    """kernels='flashinfer' (its torch stand-in on the CPU) at dcp_size 1: FlashInfer's paged
+    kernel, causal over each row's keys, in every graph; transformers' tokens and logits."""
+    result = compare(tiny_model(), kernels="flashinfer")
+    assert result["tokens_equal"] and result["max_logit_diff"] < 1e-5
+    assert result["kernels"] == "flashinfer" and result["graphs"] == 2
+    for ops in result["graph_ops"]:
+        assert ops["after"].get("dcp_flashinfer::mla_paged_attention") == LAYERS, ops["after"]
+        assert ops["after"].get("dcp::mla_attention", 0) == 0
+
+
 def test_negative_control_perturbed_scale(monkeypatch):
     """A softmax scale off by 10% must fail the comparison that test_generate_matches_transformers passes."""
     matched = absorb.match_site
