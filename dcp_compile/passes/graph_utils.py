@@ -8,6 +8,7 @@ import weakref
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_arg
@@ -118,7 +119,10 @@ def call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
     if key is not None and key in results:
         node.meta["val"] = results[key]
         return node
-    with mode:
+    # The Python dispatcher, as dynamo's own fake propagation: composite ops (linear's matmul)
+    # take their Python decompositions, which serve symbolic sizes where the C++ ones (numel())
+    # raise "Cannot call numel() on tensor with symbolic sizes/strides" (seen on CUDA).
+    with mode, enable_python_dispatcher():
         node.meta["val"] = target(*fake_args, **fake_kwargs)
     if key is not None and is_fake_result(node.meta["val"]):
         results[key] = node.meta["val"]
