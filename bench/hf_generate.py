@@ -183,8 +183,8 @@ def main(argv=None) -> None:
             row["wall_s"] = time.perf_counter() - started
             results.add(result, results.MAIN, row)
             print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            results.write(result, args.out)  # after every row: a run cut short keeps what it measured
             torch.cuda.empty_cache()
-    results.write(result, args.out)
 
 
 if __name__ == "__main__":
