@@ -27,7 +27,6 @@ Beam search, cropping and batch reordering are refused: the pool's rows do not m
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import torch
@@ -183,6 +182,10 @@ class DCPCache(Cache):
         self.pads = [0] * batch_size
         """Each row's left padding (columns before its first token), set by its first step."""
         self.released = False
+        self.placeholder = placeholder
+        self._length = 0
+        """The columns written, on the host: the device counters' mirror (advance())."""
+        self._host_views: dict[tuple[int, int], HostView] = {}
 
     def set_padding(self, pads: list[int]) -> None:
         """Each row's left padding, before the first step: those columns are never written and
@@ -193,8 +196,28 @@ class DCPCache(Cache):
         self.pad_tensor.copy_(torch.tensor(self.pads, dtype=torch.int64))
 
     def length(self) -> int:
-        """Positions written so far (every layer alike), read on the host."""
-        return int(self._counter)
+        """Columns written so far (every layer alike), kept on the host: reading the device
+        counters would wait for the device at every step."""
+        return self._length
+
+    def advance(self, tokens: int) -> None:
+        """A step of `tokens` columns ran (the front end calls it after each step)."""
+        self._length += tokens
+
+    def resync(self) -> None:
+        """Read the columns written off the device (after a step that failed part-way)."""
+        self._length = int(self._counter)
+
+    def reset(self) -> None:
+        super().reset()
+        self._length = 0
+
+    def host_view(self, dcp_size: int, interleave: int) -> "HostView":
+        """The host-side view of this cache's page table that each step's host metadata reads."""
+        key = (dcp_size, interleave)
+        if key not in self._host_views:
+            self._host_views[key] = HostView(self, dcp_size, interleave)
+        return self._host_views[key]
 
     def release(self) -> None:
         """Give this cache's KV locations back to the pool now (dropping every reference to the
@@ -209,26 +232,56 @@ class DCPCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, DCPCacheLayer)]
 
 
+class HostView:
+    """What the host metadata of every step over one cache reads, computed once (the page table
+    does not change): each position's owner rank, per rank the positions it holds before each
+    column (cumulative), and per rank the block tables of the whole table, so that a step's
+    metadata costs O(rows x ranks), not O(context) (HostMetadata.from_tensors, the oracle)."""
+
+    def __init__(self, cache: "DCPCache", dcp_size: int, interleave: int):
+        table = cache.host_table
+        rows, width = table.shape
+        self.width = width
+        self.owners = layout.owner(table, dcp_size, interleave)
+        held = torch.stack([self.owners == rank for rank in range(dcp_size)]).to(torch.int32)
+        self.before = torch.nn.functional.pad(held.cumsum(dim=2, dtype=torch.int32), (1, 0))
+        """[N, B, width + 1]: positions < p of row b that rank r holds."""
+        self.tables: dict[int, torch.Tensor | None] = {}
+        self.dcp_size, self.interleave, self.page_size = dcp_size, interleave, cache.pool.page_size
+        self._cache = weakref.ref(cache)
+
+    def block_tables(self, width: int) -> torch.Tensor | None:
+        """[N, B, blocks of `width`] int32: every position's block (entries past a row's length are
+        never read), or None where pages are not whole local blocks."""
+        if width not in self.tables:
+            cache = self._cache()
+            table = cache.host_table
+            if width != table.shape[1]:
+                table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
+            lengths = torch.full((cache.rows,), 0 if cache.placeholder else cache.max_length, dtype=torch.int64)
+            full = HostMetadata.from_tensors(table, lengths, torch.zeros(0, dtype=torch.int64), self.dcp_size,
+                                             self.interleave, self.page_size)
+            self.tables[width] = full.block_tables
+        return self.tables[width]
+
+
 def step_host_metadata(cache: DCPCache, tokens: int, config, length: int | None = None,
                        width: int | None = None) -> HostMetadata:
     """A step of `tokens` tokens a row over `cache` (after `length` columns, default the cache's),
     as host metadata: each row's queries are its last `tokens` columns, its keys its columns
-    written less its padding (a padding column's query attends from position 0, its KV is not
-    written). width: the page table's width the step's graph reads (default the cache's)."""
+    written less its padding (a padding column's query token is stored nowhere, owner -1, and
+    attends from position 0). width: the page table's width the step's graph reads (default the
+    cache's). O(rows x ranks) on the host, from the cache's HostView."""
     length = cache.length() if length is None else length
+    view = cache.host_view(config.dcp_size, config.interleave)
     pads = torch.tensor(cache.pads, dtype=torch.int64)
     seq_lens = (length + tokens - pads).clamp_min(0)
-    q_seq_ids = torch.arange(cache.rows).repeat_interleave(tokens)
-    table = cache.host_table
-    if width is not None and width != table.shape[1]:
-        table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
-    host = HostMetadata.from_tensors(table, seq_lens, q_seq_ids, config.dcp_size, config.interleave,
-                                     cache.pool.page_size)
-    if not bool(pads.any()):
-        return host
-    # from_tensors reads a row's queries as its last positions; a padded row's first ones are
-    # padding, stored nowhere (-1), and its tokens sit `pads` columns further on.
-    positions = torch.arange(length, length + tokens).unsqueeze(0) - pads.unsqueeze(1)
-    locations = cache.host_table.gather(1, positions.clamp_min(0))
-    owners = torch.where(positions >= 0, layout.owner(locations, config.dcp_size, config.interleave), -1)
-    return dataclasses.replace(host, query_owners=tuple(owners.reshape(-1).tolist()))
+    first = (seq_lens - tokens).clamp_min(0)
+    rows = torch.arange(cache.rows)
+    local_lens = view.before[:, rows, seq_lens]  # [N, B]
+    prefix_lens = view.before[:, rows, first]
+    positions = torch.arange(length, length + tokens).unsqueeze(0) - pads.unsqueeze(1)  # [B, T]; < 0 on padding
+    owners = torch.where(positions >= 0, view.owners.gather(1, positions.clamp_min(0)), -1)
+    return HostMetadata(config.dcp_size, config.interleave, cache.pool.page_size, (tokens,) * cache.rows,
+                        tuple(map(tuple, local_lens.tolist())), tuple(map(tuple, prefix_lens.tolist())),
+                        view.block_tables(width or cache.max_length), tuple(owners.reshape(-1).tolist()))

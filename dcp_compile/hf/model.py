@@ -287,17 +287,26 @@ class DCPTransformersModel(nn.Module):
             cache = call.get(self.cache_kwarg)
             padded = cache is not None and any(cache.pads)
             self._check_padding_is_served(padded)
-            symbolic = self.symbolic_steps()
-            key = self._graphs.key(call, self.cache_kwarg) if self._graphs is not None else None
-            if key is not None:
-                self._compiled_step.agree_on_shapes(self._strategy, (), call)
-                out = self._graphs.run(call, self.cache_kwarg, key)
-                self._check_padding_is_served(padded)  # a layer the capture's compile left as it is
-                return out
-            host = self._host_metadata(call)
-            out = self._compiled_step.run(self._strategy, (), call, host, symbolic=symbolic and self._symbolic_lengths)
+            try:
+                out = self._run_step(call)
+            except BaseException:
+                if cache is not None:
+                    cache.resync()  # the layers that ran advanced their counters
+                raise
+            if cache is not None:
+                cache.advance((input_ids if input_ids is not None else inputs).shape[1])
             self._check_padding_is_served(padded)  # a layer this step's compile left as it is
             return out
+
+    def _run_step(self, call: dict):
+        """The checked step, replayed from a captured graph where one serves it, else compiled."""
+        key = self._graphs.key(call, self.cache_kwarg) if self._graphs is not None else None
+        if key is not None:
+            self._compiled_step.agree_on_shapes(self._strategy, (), call)
+            return self._graphs.run(call, self.cache_kwarg, key)
+        symbolic = self.symbolic_steps()
+        host = self._host_metadata(call)
+        return self._compiled_step.run(self._strategy, (), call, host, symbolic=symbolic and self._symbolic_lengths)
 
     def symbolic_steps(self) -> bool:
         """Whether the step compiles symbolic in its lengths (one graph for every prompt length):
