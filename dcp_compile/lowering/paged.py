@@ -195,10 +195,18 @@ class PagedAttentionPass(GraphPass):
     def applies(self, config: PassConfig) -> bool:
         return config.attention_strategy in POOL_STRATEGIES
 
+    def serves(self, config: PassConfig, site: PoolAttention) -> bool:
+        """Whether the kernel takes this site's shape at all (a plan's capacity); one it does not
+        stays for the back end's general kernels."""
+        return True
+
     def _lowers(self, config: PassConfig, site: PoolAttention) -> bool:
-        """Whether this site takes the paged kernel. Under replicated-q (which has no gather-kv
-        graph to send longer chunks to) a chunk longer than the split serves stays for the back
-        end's general kernels; under gather-q lower_pool_attention refuses it."""
+        """Whether this site takes the paged kernel: where it `serves` the shape, and under
+        replicated-q (which has no gather-kv graph to send longer chunks to) not for a chunk longer
+        than the split serves, which stays for the back end's general kernels (under gather-q
+        lower_pool_attention refuses it)."""
+        if not self.serves(config, site):
+            return False
         if config.attention_strategy != REPLICATED_Q or self.any_chunk or not self.split(config, site):
             return True
         tokens, rows = fake_value(site.q_latent).shape[0], fake_value(site.req_to_token).shape[0]

@@ -155,6 +155,22 @@ def test_pass_emits_one_plan_per_graph_and_the_window_split_under_dcp(mode, dcp_
     assert not calls(gm, torch.ops.dcp.mla_partial_attention.default) and not calls(gm, torch.ops.dcp.mla_attention.default)
 
 
+def test_a_site_past_the_plans_capacity_stays_for_the_general_kernels(monkeypatch):
+    """fa3's plan takes at most MAX_WORK_ITEMS tiles of query rows x heads: a graph past it (here
+    the capacity patched to 1) keeps its attention for the back end's general kernels instead
+    of failing at the first plan; the bound is at least what FlashInfer counted on an H100
+    (65536 items for 8 x 16k prefill tokens at 64 heads; 8192 for 1 x 16k)."""
+    from dcp_compile.lowering.flashinfer import lower_attention
+
+    assert lower_attention.work_items_bound(8 * 16384, 8, 64) >= 65536
+    assert lower_attention.work_items_bound(16384, 1, 64) >= 8192
+    assert lower_attention.work_items_bound(16384, 1, 64) <= lower_attention.MAX_WORK_ITEMS
+    monkeypatch.setattr(lower_attention, "MAX_WORK_ITEMS", 1)
+    gm = lowered("verify", 1)
+    assert not calls(gm, MLA_PAGED) and len(calls(gm, torch.ops.dcp.mla_attention.default)) == 3
+    assert not fi_plans.plan_placeholders(gm.graph)
+
+
 def test_block_size_must_map_pages_onto_local_blocks():
     assert flashinfer_block_size(8, 2, 1) == 4
     assert flashinfer_block_size(4, 2, 4) == 4

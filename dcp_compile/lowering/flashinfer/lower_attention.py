@@ -19,7 +19,9 @@ Assumes: gather_q_attention ran (dcp_size > 1) or the graph is the canonical one
 pages map onto whole local blocks (FlashInfer's page size); the queries of a row are the last
 query_lens[b] positions of its sequence, grouped by row (RequestTable's batches), which debug
 mode checks (dcp.check_host_metadata).
-Guarantees: every attention over the pool in a gather-q graph runs FlashInfer; out and lse keep
+Guarantees: every attention over the pool in a gather-q or replicated-q graph runs FlashInfer,
+but for a site past its plan's capacity (serves) or, under replicated-q, a chunk longer than the
+split serves (paged.PagedAttentionPass), which the back end's general kernels take; out and lse keep
 mla_partial_attention's contract (out in q's dtype, fp32 natural-log lse).
 Why a pass: the kernel depends on the deployment (a Hopper GPU with FlashInfer), not the model.
 """
@@ -39,6 +41,19 @@ from dcp_compile.passes.graph_utils import call, fake_value
 from dcp_compile.runtime import layout
 
 
+MAX_WORK_ITEMS = 16384
+"""fa3 MLA's plan capacity (flashinfer 0.7.4, mla/_batch_mla/_backends/_fa_common.py,
+_FA_MAX_WORK_ITEMS): its plan raises "FA MLA needs at least N work items" past it."""
+
+
+def work_items_bound(tokens: int, rows: int, heads: int) -> int:
+    """An upper bound on fa3's work items for `tokens` queries over `rows` rows: per row, its query
+    rows x heads in tiles of 64 x cluster (cluster 2 where a row averages over 64 of them), as
+    _fa_plan_work_count counts them; ceil over rows adds at most one tile a row."""
+    tile = 128 if rows and tokens * heads // rows > 64 else 64
+    return -(-tokens * heads // tile) + rows
+
+
 def flashinfer_block_size(page_size: int, dcp_size: int, interleave: int) -> int:
     return layout.require_local_block_size(page_size, dcp_size, interleave, "the FlashInfer lowering (its CSR page list)")
 
@@ -56,6 +71,14 @@ class LowerFlashInferAttention(paged.PagedAttentionPass):
 
     def split(self, config: PassConfig, site) -> bool:
         return config.dcp_size > 1  # at dcp_size 1 FlashInfer's own causal mask is exact
+
+    def serves(self, config: PassConfig, site) -> bool:
+        """At most MAX_WORK_ITEMS tiles of query rows x heads (a bound on fa3's plan count), or its
+        plan refuses the step; a site past it (a prefill of 8 x 16k tokens at 64 heads) stays for
+        the back end's general kernels."""
+        tokens, heads, _ = fake_value(site.q_latent).shape
+        rows = fake_value(site.req_to_token).shape[0]
+        return work_items_bound(tokens, rows, heads) <= MAX_WORK_ITEMS
 
     def kernel(self, graph, site, q_latent, q_rope, decode, host, block_table, block_size):
         tokens, heads, rank_dim = fake_value(q_latent).shape
