@@ -108,6 +108,23 @@ def near_tie(got, want, tolerance: float) -> dict:
                 tokens_equal=bool(torch.equal(got.sequences, want.sequences)))
 
 
+def fp32_copy(model):
+    """An fp32 copy of the bf16 model (its bf16 weights, exactly): the reference both bf16 runs
+    are measured against (--fp32-check)."""
+    return copy.deepcopy(model).float()
+
+
+def first_logits(model, input_ids) -> torch.Tensor:
+    """The prefill's last-position logits, in fp32, of a transformers forward without a cache."""
+    with torch.no_grad():
+        return model(input_ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+
+
+def first_logits_of(out) -> torch.Tensor:
+    """The first generated token's logits of a generate() output."""
+    return out.logits[0].float()
+
+
 def cache_bytes_per_token(cache, batch: int) -> float:
     """A transformers cache's allocated K and V bytes over its token slots (batch x max length)."""
     total = slots = 0
@@ -128,6 +145,9 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kernels", nargs="+", default=["flashinfer", "triton"])
     parser.add_argument("--no-graphs", action="store_true", help="decode steps without CUDA graph replay")
+    parser.add_argument("--fp32-check", action="store_true",
+                        help="at batch 1, the prefill's logits of transformers (bf16) and of each back end against an "
+                             "fp32 copy of the model")
     parser.add_argument("--tolerance", type=float, default=0.25, help="bf16 logit tolerance of the near-tie rule")
     args = parser.parse_args(argv)
     require_cuda("bench.hf_generate")
@@ -169,6 +189,10 @@ def main(argv=None) -> None:
                 print(f"KV bytes per token: transformers {theirs_bytes:.0f}, dcp_compile {ours_bytes:.0f} "
                       f"({theirs_bytes / ours_bytes:.1f}x less)", flush=True)
             row = dict(context=context, batch=batch, transformers_static_compiled_s=theirs)
+            exact = None
+            if args.fp32_check and batch == 1:  # who is off where bf16 results part: both against fp32
+                exact = first_logits(fp32_copy(reference), input_ids)
+                row["transformers_bf16_vs_fp32"] = float((first_logits_of(want) - exact).abs().max())
             for kernels, model in ours.items():
                 try:
                     seconds, got = per_token(model, input_ids, args.new_tokens, args.repeats)
@@ -178,6 +202,8 @@ def main(argv=None) -> None:
                 row[f"dcp_{kernels}_s"] = seconds
                 row[f"speedup_{kernels}"] = theirs / seconds
                 row.update({f"{key}_{kernels}": value for key, value in near_tie(got, want, args.tolerance).items()})
+                if exact is not None:
+                    row[f"dcp_{kernels}_vs_fp32"] = float((first_logits_of(got) - exact).abs().max())
                 row[f"graphs_{kernels}"] = len(dcp_compile.state(model).reports)
                 row[f"replays_{kernels}"] = model.decode_graphs.replays if model.decode_graphs else 0
             row["wall_s"] = time.perf_counter() - started
