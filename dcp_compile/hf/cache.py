@@ -200,6 +200,15 @@ class DCPCache(Cache):
         counters would wait for the device at every step."""
         return self._length
 
+    def get_seq_length(self, layer_idx: int = 0):
+        """Outside the compiled step (transformers' generate() between steps) the host's count: the
+        layer's counter is a device tensor, and using it there would wait for the device at every
+        token. Inside the step, the counter itself (a graph input, one graph for every length)."""
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if isinstance(layer, DCPCacheLayer) and not torch.compiler.is_compiling():
+            return self._length
+        return super().get_seq_length(layer_idx)
+
     def advance(self, tokens: int) -> None:
         """A step of `tokens` columns ran (the front end calls it after each step)."""
         self._length += tokens

@@ -372,8 +372,14 @@ class DCPTransformersModel(nn.Module):
         """The call as the compiled step takes it, or a ValueError saying what it cannot serve."""
         dcp_size = self.dcp_state.config.dcp_size
         input_ids = call.get("input_ids")
+        # generate()'s decode steps on a device: the token is the model's own (in the vocabulary), the
+        # positions transformers passes are the cache's and its mask grows by a one a step; reading
+        # any of them back to check it would make the host wait for the device at every token.
+        decoding = (_CACHE_LENGTH_IN_GENERATE.get() is not None and input_ids is not None
+                    and input_ids.device.type != "cpu" and input_ids.dim() == 2 and input_ids.shape[1] == 1)
         if input_ids is not None:
-            self._check_token_ids(input_ids)
+            if not decoding:
+                self._check_token_ids(input_ids)
             # Strides in the standard layout: a slice of a longer sequence (guidance's unconditional
             # pass hands the model ids[:, -1:]) would otherwise compile a graph per stride.
             input_ids = call["input_ids"] = input_ids.clone(memory_format=torch.contiguous_format)
@@ -409,18 +415,20 @@ class DCPTransformersModel(nn.Module):
             raise ValueError(f"this step's {tokens} token(s) after {length} cached ones exceed the cache's max_length "
                              f"{cache.max_length}")
         mask = call.pop("attention_mask", None)  # popped, not None: the same arguments, the same graph
-        if mask is not None:
-            self._read_padding(mask, cache, batch, length, tokens)
+        if mask is not None and not (decoding and mask.device.type != "cpu" and length):
+            self._read_padding(mask, cache, batch, length, tokens)  # in generate()'s decode steps, its ones
         # Each row's positions: its columns less its left padding (0 on the padding, never written).
-        columns = torch.arange(length, length + tokens).unsqueeze(0)
-        expected = columns - torch.tensor(cache.pads).unsqueeze(1)
         positions = call.get("position_ids")
-        if positions is not None:
+        if positions is not None and not decoding:
+            columns = torch.arange(length, length + tokens).unsqueeze(0)
+            expected = columns - torch.tensor(cache.pads).unsqueeze(1)
             given = positions.cpu().expand(batch, -1) if positions.dim() == 2 else None
             if given is None or given.shape[-1] != tokens or not bool(((given == expected) | (expected < 0)).all()):
                 raise ValueError(f"position_ids {positions.tolist()}: a DCP step's tokens sit at the cache's positions, "
                                  f"{expected.clamp_min(0).tolist()} (row by row, after each row's left padding)")
-        call["position_ids"] = expected.clamp_min(0).to(inputs.device)
+        # Made on the device from the cache's padding: no host-to-device copy to wait for.
+        columns = torch.arange(length, length + tokens, device=cache.pad_tensor.device).unsqueeze(0)
+        call["position_ids"] = (columns - cache.pad_tensor.unsqueeze(1)).clamp_min(0).to(inputs.device)
         call[self.cache_kwarg] = cache
         return call
 

@@ -78,9 +78,9 @@ class ErrorWatcher:
         if self._pending is None:
             return
         host, event = self._pending
-        if event is not None and not wait and not event.query():
-            return  # not read back yet: checked at a later step
-        if event is not None:
+        if event is not None and not event.query():  # a finished event needs no wait
+            if not wait:
+                return  # not read back yet: checked at a later step
             event.synchronize()
         self._pending = None
         values = host.tolist()

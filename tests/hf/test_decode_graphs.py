@@ -70,9 +70,29 @@ def rank_generates(rank: int, world: int, kernels: str, dtype: torch.dtype, dcp_
         results.append(dict(tokens_equal=bool(torch.equal(got[0], want[0])), near_tie=near_tie,
                             logits=float((got[1].float() - want[1].float()).abs().max())))
     graphs, state = model.decode_graphs, dcp_compile.state(model)
+    replays, captured = graphs.replays, sorted(key[0] for key in graphs.captured)
+    syncs = None
+    if kernels == "npu" and dcp_size == 1:  # at DCP > 1 the peers' agreement reads the device per step
+        syncs = (_syncs_per_decode_step(model, device), _syncs_per_decode_step(copy.deepcopy(reference).to(device), device))
     ops = [dict(report.records[-1].ops_after) for report in state.reports]
-    return dict(results=results, replays=graphs.replays, captured=sorted(key[0] for key in graphs.captured),
-                compiled=len(state.reports), ops=ops, kernels=state.lowering.name, page_size=state.kv_pool.page_size)
+    return dict(results=results, replays=replays, captured=captured,
+                compiled=len(state.reports), ops=ops, kernels=state.lowering.name, page_size=state.kv_pool.page_size,
+                syncs=syncs)
+
+
+def _syncs_per_decode_step(model, device) -> float:
+    """The emulated device's host syncs each decode step of generate() adds (two calls of 3 and
+    11 new tokens on a warm model, the difference over the 8 extra steps)."""
+    from dcp_compile.testing import npu_emulator
+    from tests.hf.models import prompt
+
+    counts = []
+    for new_tokens in (2, 3, 11):
+        before = npu_emulator.host_syncs()
+        with torch.no_grad():
+            model.generate(prompt().to(device), max_new_tokens=new_tokens, do_sample=False)
+        counts.append(npu_emulator.host_syncs() - before)
+    return (counts[2] - counts[1]) / 8
 
 
 def rank_runs(rank: int, world: int) -> dict:
@@ -115,6 +135,18 @@ def test_the_npu_lowering_runs_fia_over_the_pool_and_merges_with_attention_updat
 
 def _count(ops: dict, fragment: str) -> int:
     return sum(count for name, count in ops.items() if fragment in name)
+
+
+def test_a_replayed_decode_step_adds_no_host_sync_to_transformers_loop(ranks):
+    """Inside generate() a replayed decode step reads nothing back from the device: no token-id or
+    position check (the token is the model's own, the positions the cache's), the cache's length
+    kept on the host, the host metadata from the cache's host view, the device error flags read
+    back without a wait. transformers' own loop reads its stop flag once a step (measured on an
+    untouched copy of the model on the same device); the step at DCP 1 adds nothing to it (it
+    added 4 before: the length, the token check, the positions and the error flags)."""
+    for rank in ranks:
+        ours, theirs = rank[("npu", torch.bfloat16, 1)]["syncs"]
+        assert ours == theirs, (ours, theirs)
 
 
 def test_triton_compiles_one_graph_per_kind_of_step(ranks):
