@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from dcp_compile.passes import sites
 from dcp_compile.passes.graph_utils import op_name
 from dcp_compile.ops import targets
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
 from dcp_compile.passes import sites

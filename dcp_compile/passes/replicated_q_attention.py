@@ -28,7 +28,6 @@ times over them.
 
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx as fx

@@ -7,7 +7,6 @@ equal to the same model at dcp_size=1; and the strategies that cannot serve such
 from __future__ import annotations
 
 import pytest
-import torch
 
 import dcp_compile
 from dcp_compile.models.config import preset

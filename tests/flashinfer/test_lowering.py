@@ -24,7 +24,6 @@ from dcp_compile.ops import reference
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import PassManager
-from dcp_compile.passes.base import PassConfig
 from dcp_compile.lowering.flashinfer.lower_attention import flashinfer_block_size
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.graph_runner import GraphRunner

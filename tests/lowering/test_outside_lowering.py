@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import dcp_compile
 from dcp_compile.cli.main import main as cli_main

@@ -22,7 +22,6 @@ from dcp_compile.ops import reference
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.passes import PassManager
-from dcp_compile.passes.base import PassConfig
 from dcp_compile.lowering.npu.feed import FIAFeed
 from dcp_compile.lowering.npu.lower_attention import fia_block_size, max_pieces, padded_heads
 from dcp_compile.runtime.batch import RequestTable
