@@ -15,7 +15,10 @@ What apply does here:
 - attention stays replicated (transformers' DeepSeek-V3 TP plan does not split it): every rank
   of the DCP group runs the same tokens with every head, attends over its own shard, and the
   exchange of (out, LSE) with the LSE merge gives every rank the whole attention
-  (passes/replicated_q_attention.py).
+  (passes/replicated_q_attention.py);
+- any kernel back end: for those that plan on the host (FlashInfer, the NPU lowering) the pool is
+  made of whole pages (Lowering.pool_page_size, `block_size`) and each step's host metadata comes
+  from the cache's host view of its page table (hf/cache.step_host_metadata).
 
 What the step refuses, before any graph runs: a transformers cache (it would hold the whole KV
 on every rank), a cache released or of another pool, token ids that are not integers in
