@@ -152,7 +152,7 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     `kv_capacity` locations (default 1 + max_position_embeddings) and returns a
     dcp_compile.hf.model.DCPTransformersModel, whose generate() and forward() are transformers'
     own (dcp_compile/hf). kv_capacity and block_size (the KV rows of one page on one rank, for
-    back ends that read the pool as blocks: FIA, FlashInfer) are for those models only.
+    back ends that read the pool as blocks: Lowering.pool_page_size) are for those models only.
     """
     if isinstance(model, DCPModel) or getattr(model, "dcp_state", None) is not None:
         raise ValueError("this model was already applied (it is what dcp_compile.apply returned): apply the original "

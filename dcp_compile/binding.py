@@ -18,7 +18,7 @@ from dcp_compile.config import DCPConfig
 from dcp_compile.lowering import registry
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.runtime.kv_pool import MLAKVPool
-from dcp_compile.strategy import REPLICATED_Q, replicated_refusal, require_replicated_back_end
+from dcp_compile.strategy import REPLICATED_Q
 
 
 @dataclass(frozen=True)
@@ -40,21 +40,17 @@ class Binding:
         self.pool.use_layout(self.lowering.kv_layout)
 
 
-def bind(config: DCPConfig, pool: MLAKVPool, model: nn.Module | None = None, *, replicated: bool = False,
-         who: str | None = None) -> Binding:
+def bind(config: DCPConfig, pool: MLAKVPool, model: nn.Module | None = None, *, replicated: bool = False) -> Binding:
     """Bind `config` to the back end its `kernels` names for `pool` (for 'auto', the one for the
     pool's device), check both, resolve the 'auto's and prepare the back end.
 
     model: what the back end's checks read of the model (e.g. its local head count), if any.
-    replicated: every rank runs every head; then only back ends that serve replicated-q are
-    taken, and `who` names what runs it in that error (default: a model with unsplit heads).
+    replicated: every rank runs every head (the replicated-q strategy, which every back end's
+    partial attention serves: gather-q's over the local shard, for the rank's own heads).
     Raises, before anything is allocated or built, for a config the back end cannot serve."""
-    refuses = replicated_refusal if replicated else None
-    lowering = registry.resolve(config.kernels, pool, config, refuses=refuses)
+    lowering = registry.resolve(config.kernels, pool, config)
     lowering = lowering.configured(registry.options_for(lowering, config.options))  # an option it does not read raises
     lowering = lowering.configured(lowering.resolve_options(pool))
-    if replicated:  # on the configured back end: an option may choose its KV layout
-        require_replicated_back_end(lowering, who or f"a model with unsplit heads (tp_size 1) at dcp_size {config.dcp_size}")
     config = config.replace(kernels=lowering.name, options=lowering.options)
     if config.inner_compile == "auto":
         config = config.replace(inner_compile=lowering.inner_compile(pool))

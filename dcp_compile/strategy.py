@@ -14,20 +14,6 @@ STRATEGIES = cost_model.STRATEGIES + (REPLICATED_Q,)
 """Every strategy a step may run: the cost model's two, and replicated-q for unsplit heads."""
 
 
-def replicated_refusal(lowering: Lowering) -> str | None:
-    """Why `lowering` cannot serve replicated-q, or None. Every built-in back end serves it: its
-    partial attention is gather-q's over the local shard, for the rank's own heads (all of them)
-    instead of the gathered ones."""
-    return lowering.replicated_refusal()
-
-
-def require_replicated_back_end(lowering: Lowering, who: str) -> None:
-    """Raise unless `lowering` serves replicated-q; `who` names what runs it, for the error."""
-    reason = replicated_refusal(lowering)
-    if reason is not None:
-        raise ValueError(f"kernels={lowering.name!r}: {who} runs {reason}")
-
-
 @dataclass(frozen=True)
 class BatchFacts:
     """What the decision reads of a batch."""

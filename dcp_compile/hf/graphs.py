@@ -1,7 +1,7 @@
 """The decode steps of the transformers front end replayed from device graphs (CUDA graphs, or
 Ascend NPU graphs), inside generate().
 
-    model = dcp_compile.apply(DeepseekV3ForCausalLM(config).cuda(), dcp_size=2, kernels="triton")
+    model = dcp_compile.apply(DeepseekV3ForCausalLM(config).cuda(), dcp_size=2)
     model.capture_decode_graphs(batch_sizes=(1, 2, 4, 8), max_length=4096)
     model.generate(input_ids, max_new_tokens=64)     # its one-token steps replay graphs
 
@@ -86,7 +86,7 @@ class DecodeGraphs:
         cache: DCPCache = call[cache_kwarg]
         width = cache.max_length
         updates = None
-        if captured.feeds:  # the kernels' host inputs (FIA's lengths, block tables) for this step
+        if captured.feeds:  # the kernels' host inputs (lengths, block tables, plans) for this step
             host = step_host_metadata(cache, 1, self.front.dcp_state.config, width=self.max_length)
             updates = feed_replay(captured.feeds, host)
         captured.input_ids.copy_(call["input_ids"])

@@ -16,7 +16,7 @@ What apply does here:
   of the DCP group runs the same tokens with every head, attends over its own shard, and the
   exchange of (out, LSE) with the LSE merge gives every rank the whole attention
   (passes/replicated_q_attention.py);
-- any kernel back end: for those that plan on the host (FlashInfer, the NPU lowering) the pool is
+- any kernel back end: for those that plan on the host (Lowering.plans_on_host) the pool is
   made of whole pages (Lowering.pool_page_size, `block_size`) and each step's host metadata comes
   from the cache's host view of its page table (hf/cache.step_host_metadata).
 
@@ -135,7 +135,7 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
     max_position_embeddings), rounded up to whole pages; kv_keep='memory' keeps that many rows
     per rank and grows the logical capacity dcp_size-fold, 'capacity' keeps the capacity and
     shrinks the rows. block_size: the KV rows of one page on one rank, for back ends that read
-    the pool as blocks (default the back end's: Lowering.default_block_size, 128 for FIA)."""
+    the pool as blocks (default the back end's: Lowering.default_block_size)."""
     _check_model(model, config)
     if "forward" in vars(model):
         raise ValueError(f"this {type(model).__name__} was already passed to dcp_compile.apply (its forward is a DCP "
@@ -158,8 +158,7 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
     page = page_size(lowering)
     pool = MLAKVPool(attention_layers, -(-capacity // page) * page, text.kv_lora_rank, text.qk_rope_head_dim,
                      model.dtype, model.device, page_size=page)
-    binding = bind(config.replace(kernels=lowering.name), pool, model, replicated=True,
-                   who="the transformers front end")
+    binding = bind(config.replace(kernels=lowering.name), pool, model, replicated=True)
     groups = parallel.build_replicated(config.dcp_size)
     binding.shard_pool(groups.dcp_rank, kv_keep)
     absorb = AbsorbMLA()
@@ -337,7 +336,7 @@ class DCPTransformersModel(nn.Module):
 
     def _host_metadata(self, call: dict) -> HostMetadata | None:
         """The step's local lengths and block tables on the host, for back ends that plan there
-        (FIA, FlashInfer): from the cache's host page table, its length and each row's padding."""
+        (Lowering.plans_on_host): from the cache's host page table, its length and each row's padding."""
         cache = call.get(self.cache_kwarg)
         if not self.dcp_state.lowering.plans_on_host or cache is None:
             return None

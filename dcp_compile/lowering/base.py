@@ -14,7 +14,7 @@ backend, the demo, the dump) asks it through these members and never names one:
   `page_size(dcp_size, interleave, block_size)` (the pages its kernels read, where it sets
   them), `pool_page_size(...)` and `default_block_size` (the pages of a pool made for it: the
   transformers front end's), `model_dims` and `dtypes` (data: the widths and dtypes its kernels
-  take); `replicated_refusal()` where it cannot serve models whose heads are not split;
+  take);
 - its passes: `passes()`, run after the DCP rewrites, before cleanup and the verifier, and its
   answer to `fuse_projections='auto'`;
 - its inner compilers: `inner_compilers` (the names it runs under, 'eager' and 'inductor' or
@@ -184,10 +184,6 @@ class Lowering:
 
     def page_size(self, dcp_size: int, interleave: int, block_size: int) -> int | None:
         """The page size its kernels read, given a block size, or None where any page serves."""
-        return None
-
-    def replicated_refusal(self) -> str | None:
-        """Why it cannot serve the replicated-q strategy (models whose heads are not split), or None."""
         return None
 
     def check_layout(self, page_size: int, dcp_size: int, interleave: int) -> None:

@@ -114,12 +114,10 @@ def options_for(lowering: Lowering, given=()) -> Options:
     return lowering.Options(**values)
 
 
-def resolve(kernels: str, pool, config, refuses=None, page_size=None) -> Lowering:
+def resolve(kernels: str, pool, config, page_size=None) -> Lowering:
     """The back end `kernels` names, or for 'auto' the one for the pool's device: npu on an NPU;
     on CUDA flashinfer where it serves the GPU, the pool and the config (else triton, logged
-    once with the reason); the torch reference elsewhere. refuses: `lowering -> reason or None`,
-    what the caller itself cannot run on a back end (auto passes over such a one). page_size:
-    `lowering -> page size` for a caller that makes the pool each back end asks for (`pool` is
+    once with the reason); the torch reference elsewhere. page_size: `lowering -> page size` for a caller that makes the pool each back end asks for (`pool` is
     then a PoolSpec, checked with each back end's pages)."""
     if kernels != AUTO:
         return get(kernels)
@@ -127,8 +125,6 @@ def resolve(kernels: str, pool, config, refuses=None, page_size=None) -> Lowerin
     for name in preferred:
         spec = pool if page_size is None else dataclasses.replace(pool, page_size=page_size(get(name)))
         reasons = get(name).unsupported_reasons(spec, config)
-        if refuses is not None and refuses(get(name)):
-            reasons = [*reasons, refuses(get(name))]
         if not reasons:
             return get(name)
         log.info("kernels='auto': %s, not %s: %s", fallback, name, "; ".join(reasons))

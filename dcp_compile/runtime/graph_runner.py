@@ -138,7 +138,7 @@ class NPUGraphs(_DeviceGraphs):
 
 def feed_replay(feeds: list[HostFeed], host: HostMetadata | None, debug: bool = False) -> list[dict] | None:
     """Feed every graph a captured step ran for this step's host metadata; returns what the
-    graph back end must push before the replay (NPU graphs' host lengths), or None."""
+    graph back end must push before the replay (HostFeed.graph_updates), or None."""
     updates = []
     for feed in feeds:
         rank = feed.rank_view(host)
