@@ -257,18 +257,16 @@ class HostView:
         """[N, B, width + 1]: positions < p of row b that rank r holds."""
         self.tables: dict[int, torch.Tensor | None] = {}
         self.dcp_size, self.interleave, self.page_size = dcp_size, interleave, cache.pool.page_size
-        self._cache = weakref.ref(cache)
+        self._table = table
+        self._written = torch.full((rows,), 0 if cache.placeholder else width, dtype=torch.int64)
+        """Every column of a real cache has its location (a placeholder's table is all location 0)."""
 
     def block_tables(self, width: int) -> torch.Tensor | None:
         """[N, B, blocks of `width`] int32: every position's block (entries past a row's length are
         never read), or None where pages are not whole local blocks."""
         if width not in self.tables:
-            cache = self._cache()
-            table = cache.host_table
-            if width != table.shape[1]:
-                table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
-            lengths = torch.full((cache.rows,), 0 if cache.placeholder else cache.max_length, dtype=torch.int64)
-            full = HostMetadata.from_tensors(table, lengths, torch.zeros(0, dtype=torch.int64), self.dcp_size,
+            table = torch.nn.functional.pad(self._table, (0, width - self.width))
+            full = HostMetadata.from_tensors(table, self._written, torch.zeros(0, dtype=torch.int64), self.dcp_size,
                                              self.interleave, self.page_size)
             self.tables[width] = full.block_tables
         return self.tables[width]

@@ -23,7 +23,9 @@ run before every step, replayed or not.
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -43,6 +45,8 @@ class _Captured:
     feeds: list
     """The host feeds of the graphs the captured step ran (back ends that plan on the host), fed
     before every replay."""
+    holds: Callable[[], DCPCache | None] = lambda: None
+    """The cache whose page table and padding the static cache holds (a weak reference)."""
 
 
 class DecodeGraphs:
@@ -91,10 +95,12 @@ class DecodeGraphs:
             updates = feed_replay(captured.feeds, host)
         captured.input_ids.copy_(call["input_ids"])
         captured.position_ids.copy_(call["position_ids"])
-        table = captured.cache.req_to_token
-        table[:, :width].copy_(cache.req_to_token)
-        table[:, width:].zero_()
-        captured.cache.pad_tensor.copy_(cache.pad_tensor)
+        if captured.holds() is not cache:  # a cache's page table and padding never change
+            table = captured.cache.req_to_token
+            table[:, :width].copy_(cache.req_to_token)
+            table[:, width:].zero_()
+            captured.cache.pad_tensor.copy_(cache.pad_tensor)
+            captured.holds = weakref.ref(cache)
         layers = cache.attention_layers()
         for static, layer in zip(captured.cache.attention_layers(), layers):
             static.cumulative_length.copy_(layer.cumulative_length)
@@ -116,13 +122,12 @@ class DecodeGraphs:
         kwargs = dict(call, input_ids=input_ids, position_ids=position_ids, **{cache_kwarg: cache})
         symbolic = front.symbolic_steps()
         compiled = front._compiled_step.variant(front._strategy, symbolic)
-        cache.pads = [1] * batch
+        # Every row one column of padding: nothing written (location 0), nothing read (length 0).
+        cache.set_padding([1] * batch)
         host = (step_host_metadata(cache, 1, state.config, length=0)
                 if state.lowering.plans_on_host else None)
 
         def prepare():
-            # Every row one column of padding: nothing written (location 0), nothing read (length 0).
-            cache.pad_tensor.fill_(1)
             for layer in cache.attention_layers():
                 layer.cumulative_length.zero_()
 

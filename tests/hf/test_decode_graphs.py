@@ -71,13 +71,27 @@ def rank_generates(rank: int, world: int, kernels: str, dtype: torch.dtype, dcp_
                             logits=float((got[1].float() - want[1].float()).abs().max())))
     graphs, state = model.decode_graphs, dcp_compile.state(model)
     replays, captured = graphs.replays, sorted(key[0] for key in graphs.captured)
+    off_device = _off_device_ops(model, device)
     syncs = None
     if kernels == "npu" and dcp_size == 1:  # at DCP > 1 the peers' agreement reads the device per step
         syncs = (_syncs_per_decode_step(model, device), _syncs_per_decode_step(copy.deepcopy(reference).to(device), device))
     ops = [dict(report.records[-1].ops_after) for report in state.reports]
     return dict(results=results, replays=replays, captured=captured,
                 compiled=len(state.reports), ops=ops, kernels=state.lowering.name, page_size=state.kv_pool.page_size,
-                syncs=syncs)
+                syncs=syncs, off_device=off_device)
+
+
+def _off_device_ops(model, device) -> dict:
+    """The aten ops torch_npu would run on the host, and the ops whose NPU kernel syncs to learn
+    its output's size, over a generate() of a prefill and replayed decode steps (the emulator's
+    op coverage, dcp_compile/testing/npu_emulator/op_coverage.py)."""
+    from dcp_compile.testing import npu_emulator
+    from tests.hf.models import prompt
+
+    npu_emulator.reset_host_syncs()
+    with torch.no_grad():
+        model.generate(prompt().to(device), max_new_tokens=4, do_sample=False)
+    return {"off_device": npu_emulator.ops_off_device(), "syncing": npu_emulator.syncing_ops()}
 
 
 def _syncs_per_decode_step(model, device) -> float:
@@ -147,6 +161,15 @@ def test_a_replayed_decode_step_adds_no_host_sync_to_transformers_loop(ranks):
     for rank in ranks:
         ours, theirs = rank[("npu", torch.bfloat16, 1)]["syncs"]
         assert ours == theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case[0]}-{str(case[1])[6:]}-dcp{case[2]}")
+def test_every_op_of_a_step_runs_on_the_npu(ranks, case):
+    """No aten op of a generate() (its prefill, its replayed decode steps, transformers' loop)
+    is one torch_npu runs on the host or one whose kernel syncs to learn its output's size;
+    inside a capture either would have raised (the emulator's op coverage)."""
+    for rank in ranks:
+        assert rank[case]["off_device"] == {"off_device": {}, "syncing": {}}, rank[case]["off_device"]
 
 
 def test_triton_compiles_one_graph_per_kind_of_step(ranks):
