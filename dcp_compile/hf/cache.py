@@ -185,7 +185,7 @@ class DCPCache(Cache):
         self.placeholder = placeholder
         self._length = 0
         """The columns written, on the host: the device counters' mirror (advance())."""
-        self._host_views: dict[tuple[int, int], HostView] = {}
+        self._host_view: HostView | None = None
 
     def set_padding(self, pads: list[int]) -> None:
         """Each row's left padding, before the first step: those columns are never written and
@@ -221,12 +221,11 @@ class DCPCache(Cache):
         super().reset()
         self._length = 0
 
-    def host_view(self, dcp_size: int, interleave: int) -> "HostView":
+    def host_view(self) -> "HostView":
         """The host-side view of this cache's page table that each step's host metadata reads."""
-        key = (dcp_size, interleave)
-        if key not in self._host_views:
-            self._host_views[key] = HostView(self, dcp_size, interleave)
-        return self._host_views[key]
+        if self._host_view is None:
+            self._host_view = HostView(self)
+        return self._host_view
 
     def release(self) -> None:
         """Give this cache's KV locations back to the pool now (dropping every reference to the
@@ -247,16 +246,16 @@ class HostView:
     column (cumulative), and per rank the block tables of the whole table, so that a step's
     metadata costs O(rows x ranks), not O(context) (HostMetadata.from_tensors, the oracle)."""
 
-    def __init__(self, cache: "DCPCache", dcp_size: int, interleave: int):
-        table = cache.host_table
+    def __init__(self, cache: "DCPCache"):
+        table, pool = cache.host_table, cache.pool
         rows, width = table.shape
         self.width = width
-        self.owners = layout.owner(table, dcp_size, interleave)
-        held = torch.stack([self.owners == rank for rank in range(dcp_size)]).to(torch.int32)
+        self.owners = layout.owner(table, pool.dcp_size, pool.interleave)
+        held = torch.stack([self.owners == rank for rank in range(pool.dcp_size)]).to(torch.int32)
         self.before = torch.nn.functional.pad(held.cumsum(dim=2, dtype=torch.int32), (1, 0))
         """[N, B, width + 1]: positions < p of row b that rank r holds."""
         self.tables: dict[int, torch.Tensor | None] = {}
-        self.dcp_size, self.interleave, self.page_size = dcp_size, interleave, cache.pool.page_size
+        self.dcp_size, self.interleave, self.page_size = pool.dcp_size, pool.interleave, pool.page_size
         self._table = table
         self._written = torch.full((rows,), 0 if cache.placeholder else width, dtype=torch.int64)
         """Every column of a real cache has its location (a placeholder's table is all location 0)."""
@@ -272,7 +271,7 @@ class HostView:
         return self.tables[width]
 
 
-def step_host_metadata(cache: DCPCache, tokens: int, config, length: int | None = None,
+def step_host_metadata(cache: DCPCache, tokens: int, length: int | None = None,
                        width: int | None = None) -> HostMetadata:
     """A step of `tokens` tokens a row over `cache` (after `length` columns, default the cache's),
     as host metadata: each row's queries are its last `tokens` columns, its keys its columns
@@ -280,7 +279,7 @@ def step_host_metadata(cache: DCPCache, tokens: int, config, length: int | None 
     attends from position 0). width: the page table's width the step's graph reads (default the
     cache's). O(rows x ranks) on the host, from the cache's HostView."""
     length = cache.length() if length is None else length
-    view = cache.host_view(config.dcp_size, config.interleave)
+    view = cache.host_view()
     pads = torch.tensor(cache.pads, dtype=torch.int64)
     seq_lens = (length + tokens - pads).clamp_min(0)
     first = (seq_lens - tokens).clamp_min(0)
@@ -289,6 +288,6 @@ def step_host_metadata(cache: DCPCache, tokens: int, config, length: int | None 
     prefix_lens = view.before[:, rows, first]
     positions = torch.arange(length, length + tokens).unsqueeze(0) - pads.unsqueeze(1)  # [B, T]; < 0 on padding
     owners = torch.where(positions >= 0, view.owners.gather(1, positions.clamp_min(0)), -1)
-    return HostMetadata(config.dcp_size, config.interleave, cache.pool.page_size, (tokens,) * cache.rows,
+    return HostMetadata(view.dcp_size, view.interleave, view.page_size, (tokens,) * cache.rows,
                         tuple(map(tuple, local_lens.tolist())), tuple(map(tuple, prefix_lens.tolist())),
                         view.block_tables(width or cache.max_length), tuple(owners.reshape(-1).tolist()))

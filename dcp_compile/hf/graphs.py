@@ -91,7 +91,7 @@ class DecodeGraphs:
         width = cache.max_length
         updates = None
         if captured.feeds:  # the kernels' host inputs (lengths, block tables, plans) for this step
-            host = step_host_metadata(cache, 1, self.front.dcp_state.config, width=self.max_length)
+            host = step_host_metadata(cache, 1, width=self.max_length)
             updates = feed_replay(captured.feeds, host)
         captured.input_ids.copy_(call["input_ids"])
         captured.position_ids.copy_(call["position_ids"])
@@ -124,7 +124,7 @@ class DecodeGraphs:
         compiled = front._compiled_step.variant(front._strategy, symbolic)
         # Every row one column of padding: nothing written (location 0), nothing read (length 0).
         cache.set_padding([1] * batch)
-        host = (step_host_metadata(cache, 1, state.config, length=0)
+        host = (step_host_metadata(cache, 1, length=0)
                 if state.lowering.plans_on_host else None)
 
         def prepare():

@@ -341,7 +341,7 @@ class DCPTransformersModel(nn.Module):
         if not self.dcp_state.lowering.plans_on_host or cache is None:
             return None
         inputs = call["input_ids"] if call.get("input_ids") is not None else call["inputs_embeds"]
-        return step_host_metadata(cache, inputs.shape[1], self.dcp_state.config)
+        return step_host_metadata(cache, inputs.shape[1])
 
     def _check_padding_is_served(self, padded: bool) -> None:
         """Padding is each row's own length in the absorbed attention; a layer left to transformers'

@@ -162,6 +162,13 @@ WindowKernel = Callable[[fx.Graph, PoolAttention, fx.Node, fx.Node, fx.Node, fx.
 """(graph, site, out, lse, q_latent, q_rope, window) -> (out, lse) completed with the window's keys."""
 
 
+def serves_chunk(site: PoolAttention, split: bool, any_chunk: bool) -> bool:
+    """Whether a paged kernel serves this site's rows: decode, no split, a split that cuts any
+    chunk into pieces, or at most WINDOW_QUERIES queries a row on average."""
+    tokens, rows = fake_value(site.q_latent).shape[0], fake_value(site.req_to_token).shape[0]
+    return tokens == rows or not split or any_chunk or tokens <= targets.WINDOW_QUERIES * rows
+
+
 def lower_pool_attention(graph: fx.Graph, site: PoolAttention, kernel: PrefixKernel, split: bool, reader: str,
                          window: WindowKernel = window_attention, any_chunk: bool = False) -> None:
     """Replace one attention over the pool by `kernel`, plus `window` attention where `split`
@@ -170,7 +177,7 @@ def lower_pool_attention(graph: fx.Graph, site: PoolAttention, kernel: PrefixKer
     tokens = fake_value(site.q_latent).shape[0]
     rows, width = fake_value(site.req_to_token).shape
     decode = tokens == rows
-    if split and not decode and not any_chunk and tokens > targets.WINDOW_QUERIES * rows:
+    if not serves_chunk(site, split, any_chunk):
         raise ValueError(f"{reader} serves at most {targets.WINDOW_QUERIES} query tokens per request; this graph has {tokens} tokens "
                          f"over {rows} rows: longer chunks go through the gather-kv strategy")
     with graph.inserting_before(site.node):
@@ -207,10 +214,7 @@ class PagedAttentionPass(GraphPass):
         lower_pool_attention refuses it)."""
         if not self.serves(config, site):
             return False
-        if config.attention_strategy != REPLICATED_Q or self.any_chunk or not self.split(config, site):
-            return True
-        tokens, rows = fake_value(site.q_latent).shape[0], fake_value(site.req_to_token).shape[0]
-        return tokens == rows or tokens <= targets.WINDOW_QUERIES * rows
+        return config.attention_strategy != REPLICATED_Q or serves_chunk(site, self.split(config, site), self.any_chunk)
 
     def prepare(self, gm: fx.GraphModule) -> None:
         """Before the sites (register ops, reset per-graph state)."""

@@ -117,8 +117,9 @@ def options_for(lowering: Lowering, given=()) -> Options:
 def resolve(kernels: str, pool, config, page_size=None) -> Lowering:
     """The back end `kernels` names, or for 'auto' the one for the pool's device: npu on an NPU;
     on CUDA flashinfer where it serves the GPU, the pool and the config (else triton, logged
-    once with the reason); the torch reference elsewhere. page_size: `lowering -> page size` for a caller that makes the pool each back end asks for (`pool` is
-    then a PoolSpec, checked with each back end's pages)."""
+    once with the reason); the torch reference elsewhere. page_size: `lowering -> page size`,
+    for a caller that makes the pool the back end asks for (`pool` is then a PoolSpec, checked
+    with each back end's pages)."""
     if kernels != AUTO:
         return get(kernels)
     *preferred, fallback = auto_choices(pool.device.type)

@@ -37,6 +37,7 @@ def test_step_host_metadata_equals_from_tensors(dcp_size, interleave, page):
     """Token-interleaved pages of 1 to 4 rows a rank, page-interleaved (interleave = page) and
     pages of whole interleave strides."""
     pool = MLAKVPool(1, page * 64, 16, 8, torch.float32, "cpu", page_size=page)
+    pool.reshard(dcp_size, 0, interleave)  # the layout the host view reads
     config = DCPConfig(dcp_size=dcp_size, interleave=interleave)
     other = DCPCache(pool, 1, 3 * page + 1)  # the next cache's locations start past a taken range
     cache = DCPCache(pool, 3, 5 * page - 3)
@@ -46,7 +47,7 @@ def test_step_host_metadata_equals_from_tensors(dcp_size, interleave, page):
         for width in (cache.max_length, cache.max_length + 2 * page):
             if length + tokens > cache.max_length:
                 continue
-            got = step_host_metadata(cache, tokens, config, length=length, width=width)
+            got = step_host_metadata(cache, tokens, length=length, width=width)
             want = oracle(cache, tokens, config, length, width)
             assert got.query_lens == want.query_lens
             assert got.local_seq_lens == want.local_seq_lens and got.local_prefix_lens == want.local_prefix_lens
