@@ -49,20 +49,24 @@ def build(layers: int, max_positions: int):
 
 
 class StepTimer:
-    """A logits processor that stamps each generated token's time (after a device sync): the
-    decode latency is the median gap between consecutive tokens after the first (whose gap holds
-    the prefill), so no compile, capture or allocation of another call is in it."""
+    """A logits processor that records a CUDA event as each token's logits are processed (no sync of
+    its own): the decode latency is the median gap between consecutive tokens after the first
+    (whose gap holds the prefill), on the GPU's timeline, so no compile, capture or allocation of
+    another call is in it. generate() syncs the host every token (its stopping check), so a gap is
+    the host's work for the token plus the device's."""
 
     def __init__(self):
-        self.stamps: list[float] = []
+        self.events: list[torch.cuda.Event] = []
 
     def __call__(self, input_ids, scores):
-        torch.cuda.synchronize()
-        self.stamps.append(time.perf_counter())
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append(event)
         return scores
 
     def decode_seconds(self) -> float:
-        gaps = [b - a for a, b in zip(self.stamps[1:], self.stamps[2:])]
+        torch.cuda.synchronize()
+        gaps = [a.elapsed_time(b) / 1e3 for a, b in zip(self.events[1:], self.events[2:])]
         return statistics.median(gaps)
 
 
@@ -87,6 +91,34 @@ def per_token(model, input_ids, new_tokens: int, repeats: int, **kwargs):
     timed_generate(model, input_ids, new_tokens, **kwargs)
     runs = [timed_generate(model, input_ids, new_tokens, **kwargs) for _ in range(repeats)]
     return statistics.median(seconds for seconds, _ in runs), runs[-1][1]
+
+
+def kernel_seconds(model, input_ids, new_tokens: int, **kwargs) -> dict[str, float]:
+    """Each CUDA kernel's total device seconds over one generate() call (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    timed_generate(model, input_ids, new_tokens, **kwargs)  # a static cache's new length compiles here, unprofiled
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_generate(model, input_ids, new_tokens, **kwargs)
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time_total / 1e6
+    return totals
+
+
+def device_busy(model, input_ids, new_tokens: int, **kwargs) -> dict:
+    """The device's busy time per decode token: the kernel time of a generate() of `new_tokens`
+    less that of one of half as many (the prefill cancels), over the tokens between; and the
+    kernels that take most of it. A token's latency less this is time the device waited."""
+    fewer = max(2, new_tokens // 2)
+    more_run, fewer_run = (kernel_seconds(model, input_ids, n, **kwargs) for n in (new_tokens, fewer))
+    per_token = {name: (more_run.get(name, 0.0) - fewer_run.get(name, 0.0)) / (new_tokens - fewer)
+                 for name in set(more_run) | set(fewer_run)}
+    top = sorted(per_token.items(), key=lambda item: -item[1])[:8]
+    return dict(busy_s=sum(per_token.values()), kernels=len([v for v in per_token.values() if v > 0]),
+                top_kernels=[(name[:90], seconds) for name, seconds in top])
 
 
 def near_tie(got, want, tolerance: float) -> dict:
@@ -148,6 +180,8 @@ def main(argv=None) -> None:
     parser.add_argument("--fp32-check", action="store_true",
                         help="at batch 1, the prefill's logits of transformers (bf16) and of each back end against an "
                              "fp32 copy of the model")
+    parser.add_argument("--profile", action="store_true",
+                        help="the device's busy time per decode token (torch.profiler) of each side, and its top kernels")
     parser.add_argument("--tolerance", type=float, default=0.25, help="bf16 logit tolerance of the near-tie rule")
     args = parser.parse_args(argv)
     require_cuda("bench.hf_generate")
@@ -182,6 +216,9 @@ def main(argv=None) -> None:
             started = time.perf_counter()
             theirs, want = per_token(reference, input_ids, args.new_tokens, args.repeats,
                                      cache_implementation="static")
+            if args.profile:
+                row_profile = {"transformers": device_busy(reference, input_ids, args.new_tokens,
+                                                           cache_implementation="static")}
             if theirs_bytes is None:
                 theirs_bytes = cache_bytes_per_token(want.past_key_values, batch)
                 result["run"]["kv_bytes_per_token"] = dict(transformers=theirs_bytes, dcp_compile=ours_bytes,
@@ -189,6 +226,8 @@ def main(argv=None) -> None:
                 print(f"KV bytes per token: transformers {theirs_bytes:.0f}, dcp_compile {ours_bytes:.0f} "
                       f"({theirs_bytes / ours_bytes:.1f}x less)", flush=True)
             row = dict(context=context, batch=batch, transformers_static_compiled_s=theirs)
+            if args.profile:
+                row["transformers_device_busy_s"] = row_profile["transformers"]["busy_s"]
             exact = None
             if args.fp32_check and batch == 1:  # who is off where bf16 results part: both against fp32
                 exact = first_logits(fp32_copy(reference), input_ids)
@@ -204,8 +243,13 @@ def main(argv=None) -> None:
                 row.update({f"{key}_{kernels}": value for key, value in near_tie(got, want, args.tolerance).items()})
                 if exact is not None:
                     row[f"dcp_{kernels}_vs_fp32"] = float((first_logits_of(got) - exact).abs().max())
+                if args.profile:
+                    row_profile[kernels] = device_busy(model, input_ids, args.new_tokens)
+                    row[f"dcp_{kernels}_device_busy_s"] = row_profile[kernels]["busy_s"]
                 row[f"graphs_{kernels}"] = len(dcp_compile.state(model).reports)
                 row[f"replays_{kernels}"] = model.decode_graphs.replays if model.decode_graphs else 0
+            if args.profile:
+                row["profile"] = row_profile
             row["wall_s"] = time.perf_counter() - started
             results.add(result, results.MAIN, row)
             print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
