@@ -121,6 +121,39 @@ def device_busy(model, input_ids, new_tokens: int, **kwargs) -> dict:
                 top_kernels=[(name[:90], seconds) for name, seconds in top])
 
 
+def host_seconds(model, input_ids, new_tokens: int, **kwargs) -> list:
+    """The host's Python functions that take most of a decode token (cProfile's own time of a
+    generate() of `new_tokens` less that of one of half as many, over the tokens between)."""
+    import cProfile
+    import pstats
+
+    def own_times(n: int) -> dict:
+        timed_generate(model, input_ids, n, **kwargs)
+        profiler = cProfile.Profile()
+        profiler.runcall(timed_generate, model, input_ids, n, **kwargs)
+        return {f"{func[2]} ({func[0].rsplit('/', 2)[-1]}:{func[1]})": stat[2]
+                for func, stat in pstats.Stats(profiler).stats.items()}
+
+    fewer = max(2, new_tokens // 2)
+    more_run, fewer_run = own_times(new_tokens), own_times(fewer)
+    per_token = {name: (more_run.get(name, 0.0) - fewer_run.get(name, 0.0)) / (new_tokens - fewer)
+                 for name in set(more_run) | set(fewer_run)}
+    return [(name[:110], seconds) for name, seconds in sorted(per_token.items(), key=lambda item: -item[1])[:15]]
+
+
+def decode_vs_fp32(exact_model, out, steps: int) -> list[float]:
+    """The largest logit difference of a generate() output's decode steps 1..steps from an fp32
+    forward (no cache) over the output's own tokens up to each step: which side parts from the
+    exact result where two bf16 runs part."""
+    prompt = out.sequences.shape[1] - len(out.logits)
+    diffs = []
+    with torch.no_grad():
+        for step in range(1, min(steps, len(out.logits) - 1) + 1):
+            exact = exact_model(out.sequences[:, : prompt + step], use_cache=False, logits_to_keep=1).logits[:, -1]
+            diffs.append(float((out.logits[step].float() - exact.float()).abs().max()))
+    return diffs
+
+
 def near_tie(got, want, tolerance: float) -> dict:
     """Tokens under the near-tie rule: rows may part only where transformers' two candidates are
     within 2 x tolerance; the largest logit difference before each row's first flip."""
@@ -182,6 +215,10 @@ def main(argv=None) -> None:
                              "fp32 copy of the model")
     parser.add_argument("--profile", action="store_true",
                         help="the device's busy time per decode token (torch.profiler) of each side, and its top kernels")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="the host's Python functions that take most of one of our decode tokens (cProfile)")
+    parser.add_argument("--fp32-steps", type=int, default=3,
+                        help="with --fp32-check, decode steps (after the first token) compared with an fp32 forward")
     parser.add_argument("--tolerance", type=float, default=0.25, help="bf16 logit tolerance of the near-tie rule")
     args = parser.parse_args(argv)
     require_cuda("bench.hf_generate")
@@ -216,7 +253,8 @@ def main(argv=None) -> None:
             started = time.perf_counter()
             theirs, want = per_token(reference, input_ids, args.new_tokens, args.repeats,
                                      cache_implementation="static")
-            if args.profile:
+            profiled = args.profile and batch == min(args.batches)  # one batch: the profiles cost generate() calls
+            if profiled:
                 row_profile = {"transformers": device_busy(reference, input_ids, args.new_tokens,
                                                            cache_implementation="static")}
             if theirs_bytes is None:
@@ -226,12 +264,14 @@ def main(argv=None) -> None:
                 print(f"KV bytes per token: transformers {theirs_bytes:.0f}, dcp_compile {ours_bytes:.0f} "
                       f"({theirs_bytes / ours_bytes:.1f}x less)", flush=True)
             row = dict(context=context, batch=batch, transformers_static_compiled_s=theirs)
-            if args.profile:
+            if profiled:
                 row["transformers_device_busy_s"] = row_profile["transformers"]["busy_s"]
             exact = None
             if args.fp32_check and batch == 1:  # who is off where bf16 results part: both against fp32
-                exact = first_logits(fp32_copy(reference), input_ids)
+                exact_model = fp32_copy(reference)
+                exact = first_logits(exact_model, input_ids)
                 row["transformers_bf16_vs_fp32"] = float((first_logits_of(want) - exact).abs().max())
+                row["transformers_decode_vs_fp32"] = decode_vs_fp32(exact_model, want, args.fp32_steps)
             for kernels, model in ours.items():
                 try:
                     seconds, got = per_token(model, input_ids, args.new_tokens, args.repeats)
@@ -243,13 +283,18 @@ def main(argv=None) -> None:
                 row.update({f"{key}_{kernels}": value for key, value in near_tie(got, want, args.tolerance).items()})
                 if exact is not None:
                     row[f"dcp_{kernels}_vs_fp32"] = float((first_logits_of(got) - exact).abs().max())
-                if args.profile:
+                    row[f"dcp_{kernels}_decode_vs_fp32"] = decode_vs_fp32(exact_model, got, args.fp32_steps)
+                if profiled:
                     row_profile[kernels] = device_busy(model, input_ids, args.new_tokens)
                     row[f"dcp_{kernels}_device_busy_s"] = row_profile[kernels]["busy_s"]
+                    if args.host_profile:
+                        row_profile[kernels]["host_top"] = host_seconds(model, input_ids, args.new_tokens)
                 row[f"graphs_{kernels}"] = len(dcp_compile.state(model).reports)
                 row[f"replays_{kernels}"] = model.decode_graphs.replays if model.decode_graphs else 0
-            if args.profile:
+            if profiled:
                 row["profile"] = row_profile
+            if exact is not None:
+                del exact_model
             row["wall_s"] = time.perf_counter() - started
             results.add(result, results.MAIN, row)
             print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
