@@ -303,6 +303,32 @@ def test_partial_attention_masks_uneven_dims_and_several_head_tiles():
     _assert_attention_close(_run_partial_attention(args, AttentionTiling(2, 16, 16)), expected, FP32)
 
 
+def _head_major(tensor: torch.Tensor, head_stride: int) -> torch.Tensor:
+    """`tensor` [T, H, C] as a view with heads `head_stride` elements apart in one storage that is
+    mostly never touched (allocated lazily), tokens C apart: the layout inductor gives the
+    absorbed query of a long prefill, where a head's offset passes 2^31 elements."""
+    tokens, heads, cols = tensor.shape
+    storage = torch.empty((heads - 1) * head_stride + tokens * cols, dtype=tensor.dtype)
+    view = storage.as_strided(tensor.shape, (cols, head_stride, 1))
+    view.copy_(tensor)
+    return view
+
+
+def test_partial_attention_offsets_past_2_to_the_31_elements():
+    """A query and an output whose last head starts past 2^31 elements (a head-major query of a
+    16k x 8 prefill at 64 heads): 32-bit offsets read and write outside them (an illegal memory
+    access on an H100)."""
+    args = _local_attention_inputs([3, 9], [1, 2], 1, 1, 0, heads=3, rank_dim=16, rope_dim=16, dtype=torch.bfloat16,
+                                   table_dtype=torch.int32, seed=51)
+    expected = reference.partial_attention(*args, SCALE)
+    head_stride = 2**30 + 16  # head 2 at 2^31 + 32 elements
+    q_latent = _head_major(args[0].contiguous(), head_stride)
+    out = _head_major(_nan_like(args[0].contiguous()), head_stride)
+    lse = _nan_like(torch.empty(args[0].shape[:2], dtype=torch.float32))
+    attention.partial_attention_into(q_latent, *args[1:], SCALE, out, lse, tiling=AttentionTiling(2, 16, 16))
+    _assert_attention_close((out.contiguous(), lse), expected, BF16)
+
+
 def test_partial_attention_of_an_empty_shard_is_zero_with_lse_minus_inf():
     # One token per request: on rank 1 of 2, requests whose only location is even see nothing.
     args = _local_attention_inputs([1, 1, 1, 1], [1] * 4, 2, 1, 1, heads=2, rank_dim=16, rope_dim=16,
@@ -369,6 +395,18 @@ def test_window_attention_completes_the_prefix_to_causal_attention(dcp_size, int
     tolerance = FP32 if dtype == torch.float32 else BF16
     _assert_attention_close(got, reference.window_attention(prefix_out, prefix_lse, *args, SCALE, window), tolerance)
     _assert_attention_close(got, reference.partial_attention(*args, SCALE), tolerance)
+
+
+def test_window_attention_offsets_past_2_to_the_31_elements():
+    """The window kernel's query and prefix partials head-major, the last head past 2^31 elements."""
+    args = _local_attention_inputs([3, 9], [1, 3], 1, 1, 0, heads=3, rank_dim=16, rope_dim=16, dtype=torch.bfloat16,
+                                   table_dtype=torch.int32, seed=53)
+    prefix_out, prefix_lse = _prefix_partials(args)
+    want = reference.window_attention(prefix_out, prefix_lse, *args, SCALE, 4)
+    head_stride = 2**30 + 16
+    got = triton_kernels.window_attention(_head_major(prefix_out.contiguous(), head_stride), prefix_lse,
+                                          _head_major(args[0].contiguous(), head_stride), *args[1:], SCALE, 4)
+    _assert_attention_close(got, want, BF16)
 
 
 def _split(cache, rank_dim):

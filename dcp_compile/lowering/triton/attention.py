@@ -13,8 +13,10 @@ ids run over head tiles, then queries, then splits: the tiles of one query and t
 one request (verify's k tokens) that read the same split are adjacent, so they run together and
 share its rows through L2 instead of streaming the KV once per query. Stage 2 merges the splits of each (query, head) by their LSE.
 
-Offsets into the cache, the queries and the workspace are 64-bit, so a pool of more than 2^31
-elements works.
+Every offset into the cache, the queries, the outputs and the workspace is 64-bit (tokens,
+heads, columns and splits alike), so a pool or a query of more than 2^31 elements works: a
+head-major query of a 16k x 8 prefill at 64 heads puts head 32 at 2^31 elements (in 32-bit, an
+illegal memory access on an H100).
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ def _attend_splits_kernel(
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, LN2: tl.constexpr, NZ_BLOCK: tl.constexpr,
 ):
-    latent_cols = tl.arange(0, BLOCK_R)
-    rope_cols = tl.arange(0, BLOCK_P)
+    latent_cols = tl.arange(0, BLOCK_R).to(tl.int64)
+    rope_cols = tl.arange(0, BLOCK_P).to(tl.int64)
     latent_mask = latent_cols < RANK_DIM
     rope_mask = rope_cols < ROPE_DIM
     key_offsets = tl.arange(0, BLOCK_N)
@@ -82,7 +84,7 @@ def _attend_splits_kernel(
         # the same KV split at the same time, so verify's k queries share each block through L2.
         head_tile = work % head_tiles
         token = tl.cast((work // head_tiles) % tokens, tl.int64)
-        split = work // (head_tiles * tokens)
+        split = tl.cast(work // (head_tiles * tokens), tl.int64)
         request = tl.load(q_seq_ids_ptr + token * stride_q_seq_ids).to(tl.int64)
         seq_len = tl.load(seq_lens_ptr + request * stride_seq_lens).to(tl.int32)
         query_position = tl.load(q_positions_ptr + token * stride_q_positions).to(tl.int64)
@@ -90,7 +92,7 @@ def _attend_splits_kernel(
         start = split * keys_per_split
         end = tl.minimum(start + keys_per_split, length)
         if start < end:
-            head = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+            head = (head_tile * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
             head_mask = head < heads
             q_latent = tl.load(
                 q_latent_ptr + token * stride_q_latent_token + head[:, None] * stride_q_latent_head
@@ -155,10 +157,10 @@ def _merge_splits_kernel(
 ):
     # One work item merges a tile of BLOCK_H heads of one token: the heads of a token share its
     # request's splits, so the loop over splits serves them all.
-    cols = tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_R).to(tl.int64)
     col_mask = cols < RANK_DIM
     for work in range(tl.program_id(0), tokens * head_tiles, tl.num_programs(0)):
-        heads_in_tile = (work % head_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
+        heads_in_tile = ((work % head_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
         head_mask = heads_in_tile < heads
         token = tl.cast(work // head_tiles, tl.int64)
         request = tl.load(q_seq_ids_ptr + token * stride_q_seq_ids).to(tl.int64)

@@ -38,8 +38,8 @@ def _kv_write_kernel(
     RANK_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, NZ_BLOCK: tl.constexpr,
 ):
-    latent_cols = tl.arange(0, BLOCK_R)
-    rope_cols = tl.arange(0, BLOCK_P)
+    latent_cols = tl.arange(0, BLOCK_R).to(tl.int64)
+    rope_cols = tl.arange(0, BLOCK_P).to(tl.int64)
     latent_mask = latent_cols < RANK_DIM
     rope_mask = rope_cols < ROPE_DIM
     for token in range(tl.program_id(0), tokens, tl.num_programs(0)):

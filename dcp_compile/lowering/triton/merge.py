@@ -25,7 +25,7 @@ def _merge_partials_kernel(
     stride_merged_token, stride_merged_head, stride_merged_col,
     RANK_DIM: tl.constexpr, BLOCK_R: tl.constexpr, LSE_WORDS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
-    columns = tl.arange(0, BLOCK_R)
+    columns = tl.arange(0, BLOCK_R).to(tl.int64)
     column_mask = columns < RANK_DIM
     total_rows = tokens * heads
     for first in range(tl.program_id(0) * BLOCK_ROWS, total_rows, tl.num_programs(0) * BLOCK_ROWS):

@@ -30,7 +30,7 @@ def _pack_partials_kernel(
     stride_packed_peer, stride_packed_token, stride_packed_head, stride_packed_col,
     RANK_DIM: tl.constexpr, BLOCK_R: tl.constexpr, LSE_WORDS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
-    columns = tl.arange(0, BLOCK_R)
+    columns = tl.arange(0, BLOCK_R).to(tl.int64)
     column_mask = columns < RANK_DIM
     all_heads = dcp_size * heads
     total_rows = tokens * all_heads

@@ -55,8 +55,8 @@ def _window_kernel(
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, NZ_BLOCK: tl.constexpr,
 ):
-    latent_cols = tl.arange(0, BLOCK_R)
-    rope_cols = tl.arange(0, BLOCK_P)
+    latent_cols = tl.arange(0, BLOCK_R).to(tl.int64)
+    rope_cols = tl.arange(0, BLOCK_P).to(tl.int64)
     latent_mask = latent_cols < RANK_DIM
     rope_mask = rope_cols < ROPE_DIM
     slots = tl.arange(0, BLOCK_W)
@@ -81,7 +81,7 @@ def _window_kernel(
                                                         stride_rope_cache_col, NZ_BLOCK),
                          mask=visible[:, None] & rope_mask[None, :], other=0.0).to(OPERAND_DTYPE)
 
-        head = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+        head = (head_tile * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
         head_mask = head < heads
         q_latent = tl.load(q_latent_ptr + token * stride_q_latent_token + head[:, None] * stride_q_latent_head
                            + latent_cols[None, :] * stride_q_latent_col,
