@@ -7,6 +7,8 @@ and steps the ranks disagree on."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -33,11 +35,25 @@ BACK_ENDS = {"v3-flashinfer": {"apply": {"kernels": "flashinfer"}}}
 lists and lengths handed to the wrapper as on a GPU)."""
 
 
+MATRIX_FAMILIES = ("v3-qlora-rotate-half-yarn", "glm4-moe-lite", "minicpm3", "youtu-eager", "sarvam-mla")
+"""Variants the default run covers at dcp_size 1 (tests/hf/test_transformers_dcp1.py), and at
+DCP 2 only under --matrix: each is DeepSeek-V2/V3's attention under another config, which the
+sharding (the same rewrite after absorb_mla) does not see."""
+
+
+def _selected_matching(session: pytest.Session) -> set[str]:
+    """The MATCHING cases the session's selected tests of this module ask for."""
+    return {item.callspec.params["case"] for item in session.items
+            if item.module is sys.modules[__name__] and hasattr(item, "callspec") and "case" in item.callspec.params}
+
+
 @pytest.fixture(scope="module")
-def launch():
-    """Every case and group_steps in one launch of 2 ranks: [rank 0's results, rank 1's]."""
+def launch(request):
+    """Every selected case, the controls, the back ends and group_steps in one launch of 2 ranks:
+    [rank 0's results, rank 1's]."""
+    selected = _selected_matching(request.session)
     cases = {name: case for name, case in {**MATCHING, **CONTROLS, **BACK_ENDS}.items()
-             if available(case.get("overrides", {}).get("family", "v3"))}
+             if (name in selected or name not in MATCHING) and available(case.get("overrides", {}).get("family", "v3"))}
     return cases, spawn(rank_runs, DCP_SIZE, list(cases.values()))
 
 
@@ -54,7 +70,8 @@ def group(launch):
     return [rank["group"] for rank in launch[1]]
 
 
-@pytest.mark.parametrize("case", MATCHING)
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.matrix) if case in MATRIX_FAMILIES else case
+                                  for case in MATCHING])
 def test_generate_matches_transformers(runs, case):
     if case not in runs:
         pytest.skip(f"{case}: not in this transformers")
