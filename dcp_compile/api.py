@@ -116,7 +116,7 @@ class DCPModel(nn.Module):
         decision = self._decide(args, kwargs, host_metadata)
         state.strategy_counts[decision.strategy] += 1
         state.last_decision = decision
-        symbolic = not state.lowering.static_shapes(decision.strategy, state.config.inner_compile)
+        symbolic = not state.lowering.static_shapes(decision.strategy, state.config)
         self.model._dcp_step_running = True
         try:
             return self._compiled_step.run(decision.strategy, args, kwargs, host_metadata, symbolic=symbolic)

@@ -6,8 +6,8 @@ at dynamo's graph limit). The compiled model instead marks the first dimension o
 argument dynamic, so prefill, extend, decode and verify batches share a few graphs: dynamo
 specialises sizes 0 and 1, so a batch of one row, or of one token, gets its own graph.
 
-Graphs whose kernels plan on the host per batch shape (FIA, FlashInfer: their rows and tokens
-are baked into the lowering) and graphs a graph runner captures keep static shapes.
+Graphs whose kernels take one host input a row (FIA's lengths) and graphs a graph runner
+captures keep static shapes (Lowering.static_shapes).
 """
 
 from __future__ import annotations

@@ -316,7 +316,7 @@ class DCPTransformersModel(nn.Module):
         # A hybrid model compiles per shape: its KDA layers' chunked reference code pads by a
         # length-dependent amount, which a symbolic length does not survive (a 3-layer Kimi-Linear
         # failed so: "SymIntArrayRef expected to contain only concrete integers").
-        return (not self.dcp_state.lowering.static_shapes(self._strategy, self.dcp_state.config.inner_compile)
+        return (not self.dcp_state.lowering.static_shapes(self._strategy, self.dcp_state.config)
                 and LINEAR_ATTENTION not in (self._layer_types or ()))
 
     def capture_decode_graphs(self, batch_sizes=(1, 2, 4, 8, 16, 32, 64), max_length: int | None = None) -> None:

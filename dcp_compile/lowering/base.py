@@ -23,7 +23,7 @@ backend, the demo, the dump) asks it through these members and never names one:
 - its query limit: `window` tokens per request where `windowed(dcp_size)`, more going to the
   gather-kv strategy, which `strategies(dcp_size)` then compiles at dcp_size 1 too;
 - which dcp_size=1 baseline a comparison runs it against: `baseline` (the demo);
-- its graphs' shapes: `static_shapes(strategy, inner_compile)` (planned per batch shape);
+- its graphs' shapes: `static_shapes(strategy, config)` (compiled per batch shape, or symbolic);
 - its host inputs: `plans_on_host` (each step needs the batch's host metadata) and
   `host_feed(gm, dcp_rank)`, the runtime.host_inputs.HostFeed of a lowered graph, which the
   backend and the graph runner feed before every run and replay.
@@ -45,7 +45,7 @@ from dcp_compile.runtime.kv_pool import PACKED, KVLayout
 GENERIC_INNER_COMPILERS = ("eager", "inductor")
 POOL_STRATEGIES = ("gather-q", "replicated-q")
 """The strategies whose attention reads the KV pool in place (gather-kv reads gathered rows): a
-back end that plans that read on the host compiles their graphs per batch shape."""
+back end that plans that read on the host may compile their graphs per batch shape."""
 
 
 class Unsupported(ValueError):
@@ -177,9 +177,10 @@ class Lowering:
             return ("gather-q", "gather-kv")
         return ("gather-q",)
 
-    def static_shapes(self, strategy: str, inner_compile: str) -> bool:
-        """Whether this strategy's graphs are compiled per batch shape (planned on the host, or
-        captured whole by its inner compiler)."""
+    def static_shapes(self, strategy: str, config) -> bool:
+        """Whether this strategy's graphs are compiled per batch shape (host inputs of one per row,
+        or captured whole by its inner compiler), under this DCPConfig (its inner_compile, its
+        debug_checks)."""
         return False
 
     def page_size(self, dcp_size: int, interleave: int, block_size: int) -> int | None:

@@ -198,6 +198,9 @@ class PagedAttentionPass(GraphPass):
     """The kernel, as errors name it."""
     any_chunk = False
     """Whether its split serves rows of any query count (its kernel cuts them into pieces)."""
+    reads_block_table = True
+    """Whether its kernel reads the host-fed block table in the graph (else only a debug check
+    does, and the graph has no such input without debug checks)."""
 
     def applies(self, config: PassConfig) -> bool:
         return config.attention_strategy in POOL_STRATEGIES
@@ -229,7 +232,8 @@ class PagedAttentionPass(GraphPass):
 
     def kernel(self, graph: fx.Graph, site: PoolAttention, q_latent: fx.Node, q_rope: fx.Node, decode: bool,
                host: HostPlaceholders, block_table: fx.Node, block_size: int) -> tuple[fx.Node, fx.Node]:
-        """The prefix kernel of one site (see PrefixKernel); block_table: the checked table."""
+        """The prefix kernel of one site (see PrefixKernel); block_table: the checked table (None
+        where the kernel does not read it and debug checks are off)."""
         raise NotImplementedError
 
     def window(self, graph: fx.Graph, site: PoolAttention, out: fx.Node, lse: fx.Node, q_latent: fx.Node,
@@ -251,8 +255,10 @@ class PagedAttentionPass(GraphPass):
             rows, width = fake_value(first.req_to_token).shape
             host = HostPlaceholders(graph, rows, fake_value(first.q_latent).shape[0],
                                     block_table_width(width, config.page_size), fake_value(first.cache).device)
-            with graph.inserting_before(first.node):
-                table = checked_block_table(graph, host, first, config, block_size, is_decode(first))
+            table = None
+            if self.reads_block_table or config.debug_checks:
+                with graph.inserting_before(first.node):
+                    table = checked_block_table(graph, host, first, config, block_size, is_decode(first))
 
             def kernel(graph, site, q_latent, q_rope, decode):
                 return self.kernel(graph, site, q_latent, q_rope, decode, host, table, block_size)

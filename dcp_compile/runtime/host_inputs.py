@@ -205,14 +205,18 @@ class HostFeed:
     their own (prepare) and inputs of their own kinds (value); the generic kinds are served here.
 
     rows: the batch rows the graph was lowered for (host metadata must have as many); by
-    default read off its block table, or its per-row lengths."""
+    default read off its block table, or its per-row lengths; None where neither fixes them (a
+    graph symbolic in the batch shape)."""
 
     def __init__(self, graph: fx.Graph, dcp_rank: int, rows: int | None = None):
         self.placeholders = host_placeholders(graph)
         self.inputs: list[HostInput] = [n.meta[HOST_INPUT] for n in self.placeholders]
         if rows is None:
             tables = [n.meta["val"].shape[0] for n, i in zip(self.placeholders, self.inputs) if i.kind == "block_table"]
-            rows = tables[0] if tables else 1 + max(i.index for i in self.inputs if i.kind in LENGTH_KINDS)
+            indices = [i.index for i in self.inputs if i.kind in LENGTH_KINDS and i.index is not None]
+            rows = tables[0] if tables else 1 + max(indices) if indices else None
+            if isinstance(rows, torch.SymInt):
+                rows = None
         self.graph, self.dcp_rank, self.rows = graph, dcp_rank, rows
         self._buffers: dict[int, torch.Tensor] = {}
         self._staging = PinnedStaging()
@@ -237,7 +241,7 @@ class HostFeed:
                 "this graph's attention reads host-side metadata (local lengths, block table): call the model with "
                 "host_metadata=batch.host (a ForwardBatch from RequestTable), or with the batch tensors on the CPU"
             )
-        if host.rows != self.rows:
+        if self.rows is not None and host.rows != self.rows:
             raise ValueError(f"host metadata has {host.rows} rows, the graph was lowered for {self.rows}")
         return host.for_rank(self.dcp_rank)
 

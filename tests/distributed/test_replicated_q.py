@@ -98,7 +98,9 @@ def test_flashinfer_serves_replicated_q(runs):
     step equal to dcp_size=1."""
     for result in runs:
         assert result["flashinfer_worst"] < 1e-5
-        assert len(result["flashinfer_ops"]) == 4  # prefill, decode, verify, extend: static shapes
+        # Its plans are sized by each step, so the graphs are symbolic in the batch shape: prefill,
+        # verify and extend share one, decode has its own (static shapes made 4).
+        assert len(result["flashinfer_ops"]) == 2
         for ops in result["flashinfer_ops"]:
             assert ops.get("dcp_flashinfer::mla_paged_attention") == LAYERS.count("mla"), ops
             assert ops.get("dcp::mla_partial_attention", 0) == 0

@@ -279,7 +279,10 @@ def test_inductor_equals_eager_at_dcp1_and_plans_every_step():
         plan = dcp_compile.state(inductor).host_slot.fed[0].plans[0]
         assert plan.planned_for[1] == tuple(int(n) for n in tables[0].seq_lens[:3]) + (0,)  # this step's lengths
     compiled = dcp_compile.state(inductor).backends["gather-q"].reports
-    assert len(compiled) == 3  # prefill, decode, verify: one static graph per batch shape, decode compiled once
+    # The plans are sized by each step, so the graphs are symbolic in the batch shape: prefill and
+    # verify share one graph, decode (a token a row) has its own, compiled once. (Static graphs,
+    # one per batch shape, made 3.)
+    assert len(compiled) == 2
 
 
 def test_inductor_at_dcp2_over_gloo_matches_dcp1(scenario_results):

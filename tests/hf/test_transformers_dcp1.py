@@ -67,6 +67,32 @@ def test_flashinfer_matches_transformers():
         assert ops["after"].get("dcp::mla_attention", 0) == 0
 
 
+def test_flashinfer_serves_every_prompt_length_from_a_few_graphs(monkeypatch):
+    """FlashInfer's plans are sized by each step, so its graphs are symbolic in the batch shape
+    as the other back ends' are (they were compiled per prompt length, and the 257th length raised
+    the recompile limit). A prompt past the plan's capacity (MAX_WORK_ITEMS, 10 here) compiles once
+    more, to the general kernels: a guard, not a reuse of a graph whose plan would refuse it."""
+    from tests.hf.models import graph_ops
+
+    from dcp_compile.lowering.flashinfer import lower_attention
+
+    monkeypatch.setattr(lower_attention, "MAX_WORK_ITEMS", 10)
+    reference = tiny_model(max_position_embeddings=512)
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kernels="flashinfer", kv_capacity=2048)
+    generator = torch.Generator().manual_seed(4)
+    lengths = list(range(2, 33)) + [300, 411]  # 4 heads: past 10 work items from 257 tokens a row
+    with torch.no_grad():
+        for length in lengths:
+            rows = 3 if length % 10 == 7 else 1
+            input_ids = torch.randint(0, reference.config.vocab_size, (rows, length), generator=generator)
+            got = model.generate(input_ids, max_new_tokens=3, do_sample=False)
+            assert torch.equal(got, reference.generate(input_ids, max_new_tokens=3, do_sample=False)), length
+    reports = dcp_compile.state(model).reports
+    paged = [graph_ops(report)["after"].get("dcp_flashinfer::mla_paged_attention", 0) for report in reports]
+    assert len(reports) == 5, paged  # (1 row | 3 rows) x (prefill | decode), and the long prefills' graph
+    assert paged.count(0) == 1 and all(count == 2 for count in paged if count), paged
+
+
 def test_negative_control_perturbed_scale(monkeypatch):
     """A softmax scale off by 10% must fail the comparison that test_generate_matches_transformers passes."""
     matched = absorb.match_site

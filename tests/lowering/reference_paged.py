@@ -113,7 +113,7 @@ class ReferencePaged(Lowering):
         """Its own layout where its option asks for it, else the pool's packed rows."""
         return ReferenceSplitLayout() if self.options.reference_paged_layout == "split" else Lowering.kv_layout
 
-    def static_shapes(self, strategy: str, inner_compile: str) -> bool:
+    def static_shapes(self, strategy: str, config) -> bool:
         return strategy == "gather-q"
 
     def page_size(self, dcp_size: int, interleave: int, block_size: int) -> int:

@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from dcp_compile.lowering import paged
 from dcp_compile.lowering.flashinfer import ensure_ops
-from dcp_compile.lowering.flashinfer.plans import PLAN_INPUT, PLAN_SPECS, PlanSpec, kv_indices_size
+from dcp_compile.lowering.flashinfer.plans import PLAN_INPUT, PLAN_SPECS, PlanSpec
 from dcp_compile.passes.base import PassConfig
 from dcp_compile.passes.graph_utils import call, fake_value
 from dcp_compile.runtime import layout
@@ -46,12 +46,13 @@ MAX_WORK_ITEMS = 16384
 _FA_MAX_WORK_ITEMS): its plan raises "FA MLA needs at least N work items" past it."""
 
 
-def work_items_bound(tokens: int, rows: int, heads: int) -> int:
-    """An upper bound on fa3's work items for `tokens` queries over `rows` rows: per row, its query
-    rows x heads in tiles of 64 x cluster (cluster 2 where a row averages over 64 of them), as
-    _fa_plan_work_count counts them; ceil over rows adds at most one tile a row."""
-    tile = 128 if rows and tokens * heads // rows > 64 else 64
-    return -(-tokens * heads // tile) + rows
+def work_items_bound(tokens, rows, heads):
+    """An upper bound on fa3's work items for `tokens` queries over `rows` rows, without a branch
+    (a graph symbolic in the batch shape guards only on the bound itself): per row, its query
+    rows x heads in tiles of 128 where a row averages over 64 of them, else 64, as
+    _fa_plan_work_count counts them, plus one tile a row for the ceil. Where a row averages at
+    most 64, ceil(T x H / 64) + B <= 2B + 1 <= ceil(T x H / 128) + 2B."""
+    return -(-tokens * heads // 128) + 2 * rows
 
 
 def flashinfer_block_size(page_size: int, dcp_size: int, interleave: int) -> int:
@@ -61,6 +62,7 @@ def flashinfer_block_size(page_size: int, dcp_size: int, interleave: int) -> int
 class LowerFlashInferAttention(paged.PagedAttentionPass):
     name = "lower_flashinfer_attention"
     reader = "the FlashInfer lowering under DCP"
+    reads_block_table = False  # its plan reads the host's table
 
     def prepare(self, gm: fx.GraphModule) -> None:
         ensure_ops()
@@ -81,14 +83,15 @@ class LowerFlashInferAttention(paged.PagedAttentionPass):
         return work_items_bound(tokens, rows, heads) <= MAX_WORK_ITEMS
 
     def kernel(self, graph, site, q_latent, q_rope, decode, host, block_table, block_size):
-        tokens, heads, rank_dim = fake_value(q_latent).shape
+        _, heads, rank_dim = fake_value(q_latent).shape
         split = site.key_positions is not None  # under DCP (gather_q_attention's partial attention)
+        # Sizes 0: the plan is sized by each step (plans.FlashInferFeed), so the graph may be symbolic.
         spec = PlanSpec(keys="prefix" if split and not decode else "all", causal=not split and not decode,
-                        rows=host.rows, tokens=tokens, heads=heads, rank_dim=rank_dim,
-                        rope_dim=fake_value(q_rope).shape[-1], block_size=block_size, blocks_per_row=host.blocks,
-                        sm_scale=site.sm_scale, dtype=fake_value(q_latent).dtype, device=host.device)
+                        rows=0, tokens=0, heads=heads, rank_dim=rank_dim, rope_dim=fake_value(q_rope).shape[-1],
+                        block_size=block_size, blocks_per_row=0, sm_scale=site.sm_scale,
+                        dtype=fake_value(q_latent).dtype, device=host.device)
         if spec not in self._plans:
-            self._plans[spec] = host.tensor(PLAN_INPUT, len(self._plans), (kv_indices_size(spec),), torch.int32)
+            self._plans[spec] = host.tensor(PLAN_INPUT, len(self._plans), (1,), torch.int32)
         attention = call(graph, torch.ops.dcp_flashinfer.mla_paged_attention.default, q_latent, q_rope, site.cache,
                          self._plans[spec])
         return tuple(call(graph, operator.getitem, attention, i) for i in range(2))

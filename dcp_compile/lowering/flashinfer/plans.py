@@ -1,10 +1,14 @@
 """FlashInfer plans: one MLA wrapper per attention kind of a lowered graph, planned on the host.
 
 A `FlashInferPlan` owns a `BatchMLAPagedAttentionWrapper` in CUDA-graph mode: its metadata
-buffers (qo_indptr, kv_indptr, kv_indices, kv_len_arr) are allocated once, for the graph's rows
-and the block-table width, and `plan()` copies each step's values into them, so a captured
-`run()` reads the current step's metadata. Every layer of a graph runs the same plan: it is made
-once per step, before the graph runs or replays, by the graph's `FlashInferFeed`.
+buffers (qo_indptr, kv_indptr, kv_indices, kv_len_arr) are allocated once, for one batch size
+(rows, query tokens, block-table width), and `plan()` copies each step's values into them, so a
+captured `run()` reads the current step's metadata. Every layer of a graph runs the same plan:
+it is made once per step, before the graph runs or replays, by the graph's `FlashInferFeed`.
+A graph's plan is sized by the step, not by the graph: the graph holds each kind of plan as a
+`PlanSpec` without sizes, and its feed keeps one plan per kind and batch size, so one graph
+compiled symbolic in the batch shape serves every size (and a device graph captured at a size
+replays that size's plan).
 
 The CSR page list is the rank's local block table: page size = the local block size (rows one
 logical page puts on a rank, runtime/layout.local_block_size), kv_indices = each row's first
@@ -14,12 +18,13 @@ or the local keys before the row's first query ('prefix' keys: verify and extend
 whose remaining keys go through window attention). The LSE is asked in base e.
 
 `dcp_flashinfer::mla_paged_attention(q_latent, q_rope, kv_cache, plan)` runs a plan. `plan` is a
-host-fed graph input (runtime.host_inputs): the plan's kv_indices buffer, which the kernel reads
-and which names its plan, so the plan lives exactly as long as the graph's feed holds it.
+host-fed graph input (runtime.host_inputs): the plan's one-element handle tensor, which names its
+plan, so the plan lives exactly as long as the graph's feed holds it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -60,6 +65,8 @@ class PlanSpec:
     """Queries aligned to the end of the keys (FlashInfer's causal mask); only where the keys are
     the whole sequence (dcp_size 1)."""
     rows: int
+    """The batch's rows, query tokens and block-table width: 0 in a graph's spec (any size), a
+    step's in a plan's (`sized`)."""
     tokens: int
     heads: int
     rank_dim: int
@@ -76,6 +83,14 @@ class PlanSpec:
         if self.keys not in KEY_KINDS:
             raise ValueError(f"keys must be one of {KEY_KINDS}, got {self.keys!r}")
 
+    def sized(self, host: RankHostMetadata) -> "PlanSpec":
+        """This kind of plan for a step's batch size."""
+        table = host.block_table
+        if table is None:
+            raise ValueError("FlashInfer reads the shard through a local block table; the step's host metadata has none")
+        return dataclasses.replace(self, rows=len(host.query_lens), tokens=sum(host.query_lens),
+                                   blocks_per_row=table.shape[1])
+
 
 def _workspace(device: torch.device) -> torch.Tensor:
     if device not in _WORKSPACES:
@@ -88,9 +103,9 @@ def kv_indices_size(spec: PlanSpec) -> int:
     return max(spec.rows * spec.blocks_per_row, 1)
 
 
-def plan_of(kv_indices: torch.Tensor) -> "FlashInferPlan":
-    """The plan whose kv_indices buffer this is (a graph's plan input)."""
-    plan = getattr(kv_indices, "_dcp_flashinfer_plan", lambda: None)()
+def plan_of(handle: torch.Tensor) -> "FlashInferPlan":
+    """The plan whose handle this is (a graph's plan input)."""
+    plan = getattr(handle, "_dcp_flashinfer_plan", lambda: None)()
     if plan is None:
         raise RuntimeError("this graph's FlashInfer attention ran without its plan: run the model through "
                            "dcp_compile.apply's module with the batch's host metadata")
@@ -104,8 +119,9 @@ class FlashInferPlan:
         self.buffers = {name: torch.zeros(size, dtype=torch.int32, device=device) for name, size in (
             ("qo_indptr", spec.rows + 1), ("kv_indptr", spec.rows + 1),
             ("kv_indices", kv_indices_size(spec)), ("kv_len_arr", spec.rows))}
-        self.kv_indices = self.buffers["kv_indices"]
-        self.kv_indices._dcp_flashinfer_plan = weakref.ref(self)
+        self.handle = torch.zeros(1, dtype=torch.int32, device=device)
+        """The graph's plan input: names this plan (plan_of), whatever the batch size."""
+        self.handle._dcp_flashinfer_plan = weakref.ref(self)
         self.wrapper = None
         self.planned_host: RankHostMetadata | None = None
         """The host metadata of the last plan()."""
@@ -173,6 +189,9 @@ class FlashInferPlan:
             raise RuntimeError("this graph's FlashInfer attention ran before it was planned: run the model through "
                                "dcp_compile.apply's module with the batch's host metadata")
         spec = self.spec
+        if q_latent.shape[0] != spec.tokens:
+            raise ValueError(f"this FlashInfer plan was made for {spec.tokens} query tokens (the step's host metadata); "
+                             f"the graph runs {q_latent.shape[0]}: host metadata of another batch")
         if kv_cache.shape[0] % spec.block_size:
             raise ValueError(f"the KV shard's {kv_cache.shape[0]} rows are not whole blocks of {spec.block_size}")
         latent = kv_cache[:, : spec.rank_dim].unflatten(0, (-1, spec.block_size))
@@ -189,8 +208,8 @@ class FlashInferPlan:
 @torch.library.custom_op("dcp_flashinfer::mla_paged_attention", mutates_args=())
 def mla_paged_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                         plan: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q over the rank's KV shard as planned by the plan whose kv_indices buffer is
-    `plan`. Returns out [T, H, R] in q's dtype and lse [T, H] fp32 (natural log)."""
+    """Attention of q over the rank's KV shard as planned by the plan whose handle is `plan`.
+    Returns out [T, H, R] in q's dtype and lse [T, H] fp32 (natural log)."""
     out, lse = plan_of(plan).run(q_latent, q_rope, kv_cache)
     return out.contiguous(), lse.contiguous()  # the fake's layout, whatever the kernel did
 
@@ -203,25 +222,35 @@ def _(q_latent, q_rope, kv_cache, plan):
 
 class FlashInferFeed(HostFeed):
     """A lowered graph's plans, made from each step's host metadata before it runs or replays,
-    and its plan inputs (with the lengths and block table its debug check reads)."""
+    and its plan inputs (with the lengths and block table its debug check reads). One plan per
+    kind (the graph's specs) and batch size: a graph symbolic in the batch shape runs every size,
+    and a device graph captured at one size replays that size's plans."""
 
     def __init__(self, gm: fx.GraphModule, dcp_rank: int):
-        specs = gm.meta[PLAN_SPECS]
-        super().__init__(gm.graph, dcp_rank, rows=specs[0].rows)
-        self.plans = [FlashInferPlan(spec) for spec in specs]
+        self.specs: list[PlanSpec] = gm.meta[PLAN_SPECS]
+        super().__init__(gm.graph, dcp_rank, rows=self.specs[0].rows or None)
+        self._sized: dict[PlanSpec, FlashInferPlan] = {}
+        self.plans: list[FlashInferPlan] = []
+        """This step's plans, one per spec."""
 
     def prepare(self, host: RankHostMetadata) -> None:
+        self.plans = [self._plan(spec.sized(host)) for spec in self.specs]
         # plan() copies host values to the device, which a device-graph capture must not record;
         # the graph runner plans before every replay instead.
-        if devices.capturing(self.plans[0].spec.device):
+        if devices.capturing(self.specs[0].device):
             return
         for plan in self.plans:
             plan.plan(host)
 
+    def _plan(self, spec: PlanSpec) -> FlashInferPlan:
+        if spec not in self._sized:
+            self._sized[spec] = FlashInferPlan(spec)
+        return self._sized[spec]
+
     def value(self, host_input: HostInput, host: RankHostMetadata, example):
         if host_input.kind != PLAN_INPUT:
             return super().value(host_input, host, example)
-        return self.plans[host_input.index].kv_indices
+        return self.plans[host_input.index].handle
 
     def check_fed(self, host: RankHostMetadata) -> None:
         super().check_fed(host)

@@ -129,8 +129,8 @@ class NPULowering(Lowering):
 
         return torchair_compiler(self.options.torchair_mode)
 
-    def static_shapes(self, strategy: str, inner_compile: str) -> bool:
-        return strategy in POOL_STRATEGIES or inner_compile == "torchair"
+    def static_shapes(self, strategy: str, config) -> bool:
+        return strategy in POOL_STRATEGIES or config.inner_compile == "torchair"
 
     def page_size(self, dcp_size: int, interleave: int, block_size: int) -> int:
         """One FIA block per rank per page (interleave 1), or one rank per page (interleave = block)."""
