@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dcp_compile import cost_model, strategy
+from dcp_compile import cost_model, shapes, strategy
 from dcp_compile.binding import bind
 from dcp_compile.compiled_step import CompiledStep, DCPState
 from dcp_compile.config import DCPConfig
@@ -70,15 +70,27 @@ class DCPModel(nn.Module):
         model._dcp_step_running = False
         model.register_forward_pre_hook(_refuse_direct_calls)
 
-    def compiled(self, strategy_name: str = "gather-q"):
-        """The compiled step of one strategy with static shapes, for callers that fix it (graph
-        capture: one graph per batch bucket)."""
-        compiled, model = self._compiled_step.variant(strategy_name), self.model
+    def compiled(self, strategy_name: str = "gather-q", symbolic: bool = False):
+        """The compiled step of one strategy, for callers that fix it (a GraphRunner: one device
+        graph per batch bucket). Static shapes by default: one compile per bucket. symbolic=True:
+        one compile for every batch size (the first dimension of every tensor argument symbolic;
+        dynamo compiles a size of 1 on its own), from which a runner captures each bucket; where
+        the back end compiles this strategy per batch shape (Lowering.static_shapes), a ValueError."""
+        state = self.dcp_state
+        if symbolic and state.lowering.static_shapes(strategy_name, state.config):
+            raise ValueError(f"kernels={state.lowering.name!r} compiles the {strategy_name} step per batch shape (with "
+                             f"inner_compile={state.config.inner_compile!r}, debug_checks={state.config.debug_checks}): "
+                             "ask for compiled(..., symbolic=False)")
+        compiled, model = self._compiled_step.variant(strategy_name, symbolic), self.model
 
         def step(*args, **kwargs):
             model._dcp_step_running = True
             try:
-                return compiled(*args, **kwargs)
+                if not symbolic:
+                    return compiled(*args, **kwargs)
+                args, kwargs = shapes.symbolic_batch(args, kwargs)
+                with shapes.distinct_sizes():
+                    return compiled(*args, **kwargs)
             finally:
                 model._dcp_step_running = False
 
