@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks (python -m bench.NAME), each under its own time limit.
-# Usage: bench/gpu_run.sh OUT_DIR [tests|skinny|kernels|decode|lowerings|step|profile|dcp-step|hf-generate]...   (default: tests kernels decode)
+# Usage: bench/gpu_run.sh OUT_DIR [tests|skinny|kernels|decode|lowerings|step|profile|dcp-step|hf-generate|serve-warmup]...   (default: tests kernels decode)
 # FlashInfer travels as wheels (README, "On NVIDIA GPUs"): put them in WHEELS (default .whl) to install them here.
 set -u
 out=${1:?usage: bench/gpu_run.sh OUT_DIR [parts]}; shift
@@ -27,6 +27,7 @@ for part in $parts; do
           python3 -m bench.report "$out/step.json" --plot "$out/step.png" > "$out/step_table.md" 2>&1 ;;
     profile) timeout "${PROFILE_S:-420}" torchrun --nproc-per-node 1 -m bench.profile_step --out "$out/step_profile.json" ${PROFILE_ARGS:-} 2>&1 | tee "$out/step_profile.log" | grep -v "^W1\|USDT" | tail -80 ;;
     hf-generate) timeout "${HF_S:-420}" python3 -m bench.hf_generate --out "$out/hf_generate.json" ${HF_ARGS:-} 2>&1 | tee "$out/hf_generate.log" | grep -v "^W1" | tail -30 ;;
+    serve-warmup) timeout "${SERVE_S:-540}" torchrun --nproc-per-node 1 -m bench.serve_warmup --out "$out/serve_warmup.json" ${SERVE_ARGS:-} 2>&1 | tee "$out/serve_warmup.log" | grep -v "^W1" | tail -30 ;;
     dcp-step) timeout "${DCP_STEP_S:-420}" torchrun --nproc-per-node 2 -m bench.dcp_step --out "$out/dcp_step.json" ${DCP_STEP_ARGS:-} 2>&1 | tee "$out/dcp_step.log" | grep -v "^W1" | tail -60 ;;
   esac
 done

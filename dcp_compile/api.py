@@ -89,7 +89,7 @@ class DCPModel(nn.Module):
                 if not symbolic:
                     return compiled(*args, **kwargs)
                 args, kwargs = shapes.symbolic_batch(args, kwargs)
-                with shapes.distinct_sizes():
+                with shapes.distinct_sizes(), shapes.size_oblivious():
                     return compiled(*args, **kwargs)
             finally:
                 model._dcp_step_running = False

@@ -45,3 +45,16 @@ def distinct_sizes():
     while a symbolic step compiles, every marked dimension gets its own symbol."""
     with _NO_DUCK_SHAPES:
         yield
+
+
+_SIZE_OBLIVIOUS = (fx_config.patch(backed_size_oblivious=True) if hasattr(fx_config, "backed_size_oblivious")
+                   else contextlib.nullcontext())
+
+
+@contextlib.contextmanager
+def size_oblivious():
+    """Dynamo specialises a dimension of size 0 or 1 (a graph of its own); under this, a marked
+    dimension of size 1 stays symbolic, so a graph runner's bucket of one row is captured from
+    the same compile as the others."""
+    with _SIZE_OBLIVIOUS:
+        yield

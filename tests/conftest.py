@@ -56,7 +56,8 @@ MARKERS = {
 BY_PREFIX = {
     "gpu": ["tests/gpu/"],
     "spawn": [
-        "tests/bench/test_report.py", "tests/bench/test_step_script.py", "tests/checkpoints/test_oracle.py",
+        "tests/bench/test_report.py", "tests/bench/test_step_script.py", "tests/bench/test_serve_warmup_script.py",
+        "tests/checkpoints/test_oracle.py",
         "tests/checkpoints/test_cli.py::test_demo_dcp2_tp2_on_a_transformers_checkpoint_matches_transformers",
         "tests/checkpoints/test_memory.py::test_a_rank_allocates_its_share_not_the_checkpoint",
         "tests/cli/test_demo_inputs.py::test_a_terminated_or_killed_cli_leaves_no_process_behind",

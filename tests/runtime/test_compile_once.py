@@ -13,6 +13,7 @@ from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.graph_runner import GraphRunner
+from dcp_compile.testing.graphs import RerunGraphs
 from tests.npu.test_graphs import FakeGraphs
 
 PAGE = 4
@@ -30,25 +31,6 @@ def _model(kernels: str, **config):
 
 def _decode_graphs(model) -> int:
     return len(dcp_compile.state(model).backends["gather-q"].reports)
-
-
-class RerunGraphs:
-    """A CPU graph back end whose replay reruns the captured step on its static inputs, into the
-    captured output, as a device graph replays its kernels (for steps with no host-fed inputs,
-    whose replay would otherwise be fed from the capture's template)."""
-
-    device = torch.device("cpu")
-
-    def capture(self, run, prepare=None):
-        output = run()
-        return (run, output), output
-
-    def replay(self, graph, updates):
-        run, output = graph
-        output.copy_(run())
-
-    def applied(self, graph):
-        return None
 
 
 def _prefilled(*models):

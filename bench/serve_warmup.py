@@ -1,0 +1,255 @@
+"""Serving warm-up on one GPU: compile once, capture a device graph for every batch size, replay
+each and check it.
+
+    torchrun --nproc-per-node 1 -m bench.serve_warmup --out bench/results/serve_warmup_h200.json
+    python -m bench.serve_warmup --smoke --out /tmp/serve_warmup.json   # CPU, 2 tiny layers: checks the script
+
+The model is bench.step's 61-layer Kimi-K2-shaped stack at DCP 1 (64 heads, R 512, P 64, real
+attention weights, a 2048-wide MLP, bf16; its layers share one KV buffer), applied with
+--kernels and --inner-compile. Its steps run through a GraphRunner over
+`DCPModel.compiled("gather-q", symbolic=True)`: one compile for every batch size. For decode at
+--decode-sizes and verify k = --draft at --verify-sizes, every request --context long:
+  - capture_seconds, per size: its first step (the capture, and for the first size of a kind
+    the compile too);
+  - compile_seconds: the first decode size's (cold: an empty inductor cache for this run);
+    warm_compile_seconds: the same in a second process with the caches kept;
+  - ready_seconds: from the first compile until every size is captured;
+  - recompiles: graphs the captures compiled after the first size of each kind (decode,
+    verify); a size of 1 first gets one of its own where dynamo specialises it;
+  - max_abs_diff, per size: the replay's logits against the same step called outside the graph;
+  - step_seconds, per size: the median replayed step (the runner's host work included).
+Targets (issue 35): cold compile <= 60 s, warm <= 10 s, each capture <= 3 s, every size ready in
+<= 120 s, no recompile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import dcp_compile
+from bench.lib import result as results
+from bench.lib.cases import fill_random, host_metadata, page_size, shared_kv_allocate, stack_batch
+from bench.lib.timing import require_cuda
+from bench.step import fresh_inductor_cache
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile.runtime import parallel
+from dcp_compile.runtime.graph_runner import CudaGraphs, GraphRunner
+from dcp_compile.runtime.kv_pool import MLAKVPool
+from dcp_compile.runtime.launch import init_from_env
+
+TARGETS = {"compile_seconds": 60.0, "warm_compile_seconds": 10.0, "capture_seconds": 3.0, "ready_seconds": 120.0}
+TOLERANCE = 1e-2
+"""bf16 logits of a replay against the same compiled step outside the graph: the same kernels on the
+same inputs (differences come only from a graph that reads stale inputs)."""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results/serve_warmup.json")
+    p.add_argument("--kernels", default="flashinfer")
+    p.add_argument("--inner-compile", default="inductor")
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--decode-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--verify-sizes", default="1,4,16,64")
+    p.add_argument("--draft", type=int, default=7)
+    p.add_argument("--layers", type=int, default=61)
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--no-warm", action="store_true", help="skip the second process's warm compile")
+    p.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true", help="CPU, 2 tiny layers, torch kernels: checks the script")
+    args = p.parse_args(argv)
+    args.decode_sizes = [int(v) for v in args.decode_sizes.split(",") if v]
+    args.verify_sizes = [int(v) for v in args.verify_sizes.split(",") if v]
+    if args.smoke:
+        args.kernels, args.inner_compile, args.context, args.layers, args.replays = "torch", "eager", 64, 2, 2
+        args.decode_sizes, args.verify_sizes, args.draft = [1, 2, 4], [1, 2], 3
+    return args
+
+
+def kinds(args) -> list[tuple[str, int, list[int]]]:
+    return [("decode", 1, args.decode_sizes), ("verify", args.draft, args.verify_sizes)]
+
+
+def build(args, device):
+    base = preset("tiny-512") if args.smoke else preset("kimi-k2")
+    mlp = {} if args.smoke else {"intermediate_size": 2048}
+    cfg = base.replace(vocab_size=4096, layer_types=("mla",) * args.layers, **mlp)  # stack_batch's ids are < 4096
+    largest = max(args.decode_sizes + args.verify_sizes)
+    model = MLAModel(cfg, kv_capacity=largest * width(args) + 2 * page_size(1), max_requests=largest,
+                     par=parallel.build(1, 1), dtype=torch.bfloat16, device=device, page_size=page_size(1))
+    compiled = dcp_compile.apply(model, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=args.kernels,
+                                 inner_compile=args.inner_compile)
+    fill_random(model.kv_pool.cache(0))
+    return cfg, compiled
+
+
+def width(args) -> int:
+    return args.context
+
+
+def graphs_of(device):
+    if device.type == "cuda":
+        return CudaGraphs()
+    from dcp_compile.testing.graphs import RerunGraphs
+
+    return RerunGraphs()
+
+
+def batch_of(args, size: int, k: int, device):
+    batch = stack_batch(size, args.context, k, 1, device, width(args))
+    batch.host = host_metadata(size, args.context, k, 1, width(args)).bind(*batch.args())
+    return batch
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compiled_graphs(compiled) -> int:
+    return len(dcp_compile.state(compiled).backends["gather-q"].reports)
+
+
+def first_ready_seconds(args, device) -> float:
+    """Seconds from a fresh model to its first decode size captured (the warm child's measure)."""
+    _, compiled = build(args, device)
+    runner = GraphRunner(compiled.compiled("gather-q", symbolic=True), buckets=args.decode_sizes,
+                         graphs=graphs_of(device), host_slot=dcp_compile.state(compiled).host_slot)
+    batch = batch_of(args, args.decode_sizes[0], 1, device)
+    started = time.perf_counter()
+    runner(batch, 1)
+    sync(device)
+    return time.perf_counter() - started
+
+
+def replayed_seconds(runner, batch, k: int, replays: int, device) -> float:
+    """Median seconds of one replayed step, host work included."""
+    seconds = []
+    for _ in range(replays):
+        sync(device)
+        started = time.perf_counter()
+        runner(batch, k)
+        sync(device)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def warm_compile(args) -> float:
+    """The first-ready seconds of a second process, inductor's on-disk caches kept."""
+    command = [sys.executable, "-m", "bench.serve_warmup", "--warm-child", "--out", os.devnull,
+               "--kernels", args.kernels, "--inner-compile", args.inner_compile, "--context", str(args.context),
+               "--layers", str(args.layers), "--decode-sizes", ",".join(map(str, args.decode_sizes)),
+               "--verify-sizes", ",".join(map(str, args.verify_sizes)), "--draft", str(args.draft)]
+    if args.smoke:
+        command.append("--smoke")
+    env = dict(os.environ, MASTER_PORT=str(int(os.environ.get("MASTER_PORT", "29533")) + 1))
+    done = subprocess.run(command, check=True, capture_output=True, text=True, env=env, timeout=1800)
+    return json.loads(done.stdout.strip().splitlines()[-1])["first_ready_seconds"]
+
+
+def run(args, device, result: dict) -> None:
+    cfg, compiled = build(args, device)
+    state = dcp_compile.state(compiled)
+    result["run"].update(shapes={"model": "tiny-512" if args.smoke else "kimi-k2", "layers": cfg.num_layers,
+                                 "heads": cfg.num_heads, "kv_lora_rank": cfg.kv_lora_rank,
+                                 "rope_dim": cfg.qk_rope_head_dim, "dtype": "bfloat16", "context": args.context,
+                                 "draft": args.draft},
+                         kernels=args.kernels, inner_compile=args.inner_compile,
+                         inductor_cache_dir_set=bool(os.environ.get("TORCHINDUCTOR_CACHE_DIR")))
+    started = time.perf_counter()
+    recompiles = 0
+    for kind, k, sizes in kinds(args):
+        runner = GraphRunner(compiled.compiled("gather-q", symbolic=True), buckets=sizes, graphs=graphs_of(device),
+                             host_slot=state.host_slot)
+        step = compiled.compiled("gather-q", symbolic=True)
+        for i, size in enumerate(sizes):
+            batch = batch_of(args, size, k, device)
+            graphs_before = compiled_graphs(compiled)
+            sync(device)
+            captured_at = time.perf_counter()
+            got = runner(batch, k)
+            sync(device)
+            row = {"kind": kind, "k": k, "batch": size, "context": args.context,
+                   "capture_seconds": time.perf_counter() - captured_at,
+                   "graphs_compiled": compiled_graphs(compiled) - graphs_before}
+            if i:  # the first size of a kind compiles; a later one that does is a recompile
+                recompiles += row["graphs_compiled"]
+            # The reference: the same compiled step called outside the graph (on the batch's own
+            # tensors, whose dtypes may differ from the runner's buffers: a graph of its own).
+            state.host_slot.begin(batch.host)
+            try:
+                want = step(*batch.args())
+            finally:
+                state.host_slot.end()
+            row["max_abs_diff"] = float((got.float() - want[: got.shape[0]].float()).abs().max())
+            row["step_seconds"] = replayed_seconds(runner, batch, k, args.replays, device)
+            results.add(result, results.MAIN, row)
+            print(f"{kind:>6} k {k} batch {size:>3}: capture {row['capture_seconds']:7.2f} s, step "
+                  f"{row['step_seconds'] * 1e3:8.2f} ms, replay vs direct {row['max_abs_diff']:.2e}", flush=True)
+    run_row = result["run"]
+    first = results.rows(result)[0]
+    run_row.update(compile_seconds=first["capture_seconds"], ready_seconds=time.perf_counter() - started,
+                   recompiles=recompiles)
+
+
+def summary(result: dict) -> list[str]:
+    run_row, rows = result["run"], results.rows(result)
+    lines = [f"compile {run_row['compile_seconds']:.1f} s (target {TARGETS['compile_seconds']:.0f}), warm "
+             f"{run_row.get('warm_compile_seconds', float('nan')):.1f} s (target {TARGETS['warm_compile_seconds']:.0f}), "
+             f"all ready {run_row['ready_seconds']:.1f} s (target {TARGETS['ready_seconds']:.0f}), "
+             f"recompiles {run_row['recompiles']}"]
+    later = [r["capture_seconds"] for r in rows if r is not rows[0]]
+    if later:
+        lines.append(f"captures after the first: at most {max(later):.2f} s (target {TARGETS['capture_seconds']:.0f})")
+    worst = max(r["max_abs_diff"] for r in rows)
+    lines.append(f"replays against direct calls: worst {worst:.2e} (tolerance {TOLERANCE})")
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.smoke or args.warm_child:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    if not args.smoke:
+        require_cuda("bench.serve_warmup")
+        if not args.warm_child:
+            fresh_inductor_cache()
+    init_from_env("gloo" if args.smoke else "nccl")
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
+    original = MLAKVPool._allocate
+    MLAKVPool._allocate = shared_kv_allocate
+    try:
+        if args.warm_child:
+            print(json.dumps({"first_ready_seconds": first_ready_seconds(args, device)}), flush=True)
+            dist.destroy_process_group()
+            return 0
+        result = results.start("serve_warmup", argv, device)
+        run(args, device, result)
+        results.write(result, args.out)  # before the warm child: a failure there keeps the cold run
+        if not args.no_warm:
+            result["run"]["warm_compile_seconds"] = warm_compile(args)
+        result["run"]["targets"] = TARGETS
+        results.write(result, args.out)
+    finally:
+        MLAKVPool._allocate = original
+    print("\n".join(summary(result)))
+    print(f"wrote {args.out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""bench.serve_warmup in its smoke mode (CPU, 2 tiny layers, replays rerun on the host): one compile
+per kind of step, a capture per size, each replay equal to the step called outside the graph, and
+the warm compile of a second process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.lib import result as results
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_warmup_smoke_captures_every_size_from_few_compiles(tmp_path):
+    out = tmp_path / "serve_warmup.json"
+    subprocess.run([sys.executable, "-m", "bench.serve_warmup", "--smoke", "--out", str(out)], check=True, cwd=ROOT,
+                   timeout=600, capture_output=True)
+    result = results.read(out)
+    assert result["benchmark"] == "serve_warmup"
+    rows, run = results.rows(result), result["run"]
+    assert [(r["kind"], r["k"], r["batch"]) for r in rows] == [
+        ("decode", 1, 1), ("decode", 1, 2), ("decode", 1, 4), ("verify", 3, 1), ("verify", 3, 2)]
+    for row in rows:
+        assert row["max_abs_diff"] == 0.0  # a rerun of the same step on the same inputs
+        assert row["capture_seconds"] > 0 and row["step_seconds"] > 0
+    assert rows[0]["graphs_compiled"] >= 1 and rows[2]["graphs_compiled"] == 0 and rows[4]["graphs_compiled"] == 0
+    assert run["recompiles"] <= 1  # at most a size of 1's own graph
+    assert run["compile_seconds"] == rows[0]["capture_seconds"] and run["warm_compile_seconds"] > 0
+    assert run["ready_seconds"] >= sum(r["capture_seconds"] for r in rows)
