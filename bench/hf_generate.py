@@ -215,6 +215,9 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kernels", nargs="+", default=["flashinfer", "triton"])
     parser.add_argument("--no-graphs", action="store_true", help="decode steps without CUDA graph replay")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[0],
+                        help="apply(..., block_size=) for each back end, side by side (0: the back end's default; "
+                             "FlashInfer's plan lists each row's pages on the host every step)")
     parser.add_argument("--fp32-check", action="store_true",
                         help="at batch 1, the prefill's logits of transformers (bf16) and of each back end against an "
                              "fp32 copy of the model")
@@ -232,10 +235,14 @@ def main(argv=None) -> None:
     result = results.start("hf_generate", argv, torch.device("cuda"))
     longest = max(args.contexts) + args.new_tokens
     reference = build(args.layers, longest + 1)
-    rows_needed = max(args.batches) * longest + 1
-    ours = {kernels: dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kernels=kernels,
-                                       inner_compile="inductor", kv_capacity=rows_needed)
-            for kernels in args.kernels}
+    page = max(args.block_sizes + [1])  # at dcp_size 1 a page is one block; a cache takes whole pages
+    rows_needed = max(args.batches) * -(-longest // page) * page + page
+    ours = {}
+    for kernels in args.kernels:  # a back end's rows are named kernels, or kernels_b<block size>
+        for block in args.block_sizes:
+            ours[f"{kernels}_b{block}" if block else kernels] = dcp_compile.apply(
+                copy.deepcopy(reference), dcp_size=1, kernels=kernels, inner_compile="inductor", kv_capacity=rows_needed,
+                **({"block_size": block} if block else {}))
     if not args.no_graphs:
         for model in ours.values():
             model.capture_decode_graphs(batch_sizes=args.batches, max_length=longest)
