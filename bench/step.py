@@ -64,6 +64,9 @@ def parse_args(argv=None):
                    help="apply(..., fuse_projections=): fuse q_a with kv_a and gate with up (auto: on, on CUDA)")
     p.add_argument("--skinny-matmuls", default="auto", choices=("auto", "on", "off"),
                    help="apply(..., skinny_matmuls=): few-token projections through the Triton skinny matmul (auto: on, on CUDA)")
+    p.add_argument("--symbolic", action="store_true",
+                   help="steps through compiled('gather-q', symbolic=True): one compile for every batch shape (each "
+                        "row's compile_seconds is then its shape's first call on the shared graph)")
     p.add_argument("--draft", type=int, default=7)
     p.add_argument("--layers", type=int, default=61)
     p.add_argument("--replays", type=int, default=6)
@@ -146,8 +149,8 @@ def build(args, cfg, lowering: str, inner: str, skinny: str, device, tp):
     return model, compiled
 
 
-def run_case(compiled, batch: int, context: int, k: int, width: int, device, fn):
-    step, slot = compiled.compiled("gather-q"), dcp_compile.state(compiled).host_slot
+def run_case(compiled, batch: int, context: int, k: int, width: int, device, fn, symbolic: bool = False):
+    step, slot = compiled.compiled("gather-q", symbolic=symbolic), dcp_compile.state(compiled).host_slot
     inputs = stack_batch(batch, context, k, 1, device, width).args()
     slot.begin(host_metadata(batch, context, k, 1, width))
     try:
@@ -214,11 +217,11 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
     for k, batch, context in cases(args):
         row = {"lowering": lowering, "inner_compile": inner, "context": context, "batch": batch, "k": k,
                "layers": cfg.num_layers, "fuse_projections": config.fuse_projections,
-               "skinny_matmuls": resolved}
+               "skinny_matmuls": resolved, "symbolic": args.symbolic}
         try:
             row["compile_seconds"] = run_case(compiled, batch, context, k, width, device,
-                                              lambda fn: timed_first_call(fn, device))
-            timing = run_case(compiled, batch, context, k, width, device, timer)
+                                              lambda fn: timed_first_call(fn, device), args.symbolic)
+            timing = run_case(compiled, batch, context, k, width, device, timer, args.symbolic)
             row.update(step_seconds=timing["seconds"], graph=timing["graph"])
             if "capture_error" in timing:
                 row["capture_error"] = timing["capture_error"]
@@ -247,7 +250,7 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
         model, compiled = build(args, cfg, lowering, inner, skinny, device, tp)
         k, batch, context = cases(args)[0]
         compile_row["warm_seconds"] = run_case(compiled, batch, context, k, width, device,
-                                               lambda fn: timed_first_call(fn, device))
+                                               lambda fn: timed_first_call(fn, device), args.symbolic)
         del compiled, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
