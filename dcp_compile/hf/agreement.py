@@ -14,7 +14,10 @@ longer belong to one sequence. Two guarantees, for a group of more than one rank
   input's shape, the cache's rows, width and length, and a checksum of the token ids and the
   attention mask's padding). Ranks that
   differ (other shapes, another cache position, other tokens: a sample drawn apart, prompts of
-  other lengths) get the same ValueError on every rank, naming what each was given.
+  other lengths) get the same ValueError on every rank, naming what each was given. Inside
+  generate() on a device a decode step agrees without a host sync (`deferred`): the all-gather
+  and the comparison run on the device, and a difference sets the device error flag
+  `peer_step` (runtime/guards.py), raised at the next step on every rank alike.
   `check_generate()` does the same for a generate() call (its prompt, length and decoding) before
   the generators are shared, so a rank that samples and a peer that does not get that error,
   not mismatched collectives.
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_compile.hf.cache import DCPCache
+from dcp_compile.runtime import guards
 
 CHECKSUM_PRIME = (1 << 31) - 1
 """The token checksum is sum_i ((id_i mod p) * (i + 1) mod p): a single differing token, or two
@@ -36,7 +40,7 @@ STEP_FIELDS = ("batch", "tokens", "token ids given", "integer token ids", "cache
                "cached positions", "token checksum")
 GENERATE_FIELDS = ("batch", "prompt tokens", "generated length", "num_return_sequences", "num_beams", "sampling",
                    "guidance", "use_cache", "prompt checksum")
-KINDS = ("a model step", "generate()")
+KINDS = ("a model step", "generate()", "a decode step of generate()")
 """What a rank was in when it joined an agreement: the first int of every rank's vector, so that a
 rank in generate() and a peer in a step get an error, not each other's fields."""
 VECTOR = 1 + max(len(STEP_FIELDS), len(GENERATE_FIELDS))
@@ -51,12 +55,17 @@ def _step_fields(inputs: torch.Tensor, input_ids: torch.Tensor | None, cache) ->
             rows, width, length]
 
 
+def _device_checksum(input_ids: torch.Tensor) -> torch.Tensor:
+    """The checksum as a 0-d int64 tensor on input_ids' device (no read-back)."""
+    ids = input_ids.reshape(-1).to(torch.int64).remainder(CHECKSUM_PRIME)
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64, device=ids.device)
+    return (ids * weights).remainder(CHECKSUM_PRIME).sum()
+
+
 def _checksum(input_ids: torch.Tensor | None) -> int:
     if input_ids is None or not input_ids.numel():
         return 0
-    ids = input_ids.reshape(-1).to(torch.int64).remainder(CHECKSUM_PRIME)
-    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64, device=ids.device)
-    return int((ids * weights).remainder(CHECKSUM_PRIME).sum())
+    return int(_device_checksum(input_ids))
 
 
 class GroupAgreement:
@@ -70,11 +79,15 @@ class GroupAgreement:
         return dist.distributed_c10d._resolve_process_group(self.group_name)
 
     def check_step(self, inputs: torch.Tensor, input_ids: torch.Tensor | None, cache,
-                   attention_mask: torch.Tensor | None = None) -> None:
+                   attention_mask: torch.Tensor | None = None, deferred: bool = False) -> None:
         """Raise the same ValueError on every rank unless every rank of the group was given this
         step's shapes, cache position and token ids (and padding, where a mask is given).
-        `inputs`: input_ids, or inputs_embeds."""
-        if self.dcp_size > 1:
+        `inputs`: input_ids, or inputs_embeds. deferred (a decode step inside generate() on a
+        device): nothing is read back; a difference sets the device flag `peer_step`, which the
+        compiled step raises at the next step."""
+        if self.dcp_size > 1 and deferred and self.device.type != "cpu":
+            self._agree_on_device(_step_fields(inputs, input_ids, cache), input_ids, attention_mask)
+        elif self.dcp_size > 1:
             checksum = _checksum(input_ids)
             if attention_mask is not None:
                 checksum = (checksum + 2 * _checksum(attention_mask.bool())) % CHECKSUM_PRIME
@@ -86,6 +99,26 @@ class GroupAgreement:
         if self.dcp_size > 1:
             self._agree(1, [input_ids.shape[0], input_ids.shape[-1], generated_length]
                         + [settings[name] for name in GENERATE_FIELDS[3:-1]] + [_checksum(input_ids)])
+
+    def _agree_on_device(self, values: list[int], input_ids: torch.Tensor | None,
+                         attention_mask: torch.Tensor | None) -> None:
+        """check_step's agreement with no host sync: [kind, a hash of the host fields, the token
+        checksum, the mask's] made on the device (fills and the checksums' kernels, no copy from
+        the host), all-gathered, compared there into the `peer_step` error flag. Its vector is
+        VECTOR ints, as _agree's, so a peer in another kind of agreement fails it too."""
+        vector = torch.zeros(VECTOR, dtype=torch.int64, device=self.device)
+        vector[0] = 2
+        vector[1] = hash(tuple(values)) & ((1 << 62) - 1)
+        if input_ids is not None and input_ids.numel():
+            vector[2] = _device_checksum(input_ids)
+        if attention_mask is not None and attention_mask.numel():
+            vector[3] = _device_checksum(attention_mask.bool())
+        gathered = torch.empty(self.dcp_size * VECTOR, dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(gathered, vector, group=self._group())
+        per_rank = gathered.view(self.dcp_size, VECTOR)
+        differs = (per_rank != per_rank[:1]).any()
+        flags = guards.error_flags(self.device)
+        flags[guards.INDEX["peer_step"]] |= differs.to(flags.dtype)
 
     def _agree(self, kind: int, values: list[int]) -> None:
         """One all-gather of [kind, values..] (a vector of VECTOR ints) over the group."""

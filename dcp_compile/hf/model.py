@@ -68,6 +68,13 @@ _CACHE_LENGTH_IN_GENERATE: contextvars.ContextVar[int | None] = contextvars.Cont
 guidance's unconditional pass calls the model so, then again with that cache for each new token)."""
 
 
+def _decoding_in_generate(input_ids: torch.Tensor | None) -> bool:
+    """Whether this step is one of generate()'s decode steps on a device: one token a row, inside
+    our generate(). Such a step reads nothing back from the device (its checks are the device's)."""
+    return (_CACHE_LENGTH_IN_GENERATE.get() is not None and input_ids is not None
+            and input_ids.device.type != "cpu" and input_ids.dim() == 2 and input_ids.shape[1] == 1)
+
+
 _UNSERVED_OUTPUTS = ("output_hidden_states", "output_attentions")
 
 
@@ -284,7 +291,8 @@ class DCPTransformersModel(nn.Module):
             inputs = input_ids if input_ids is not None else call.get("inputs_embeds")
             if inputs is None:
                 raise ValueError("a DCP step needs input_ids or inputs_embeds")
-            self._agreement.check_step(inputs, input_ids, call.get(self.cache_kwarg), call.get("attention_mask"))
+            self._agreement.check_step(inputs, input_ids, call.get(self.cache_kwarg), call.get("attention_mask"),
+                                       deferred=_decoding_in_generate(input_ids))
             call = self._checked(call)
             cache = call.get(self.cache_kwarg)
             padded = cache is not None and any(cache.pads)
@@ -377,8 +385,7 @@ class DCPTransformersModel(nn.Module):
         # generate()'s decode steps on a device: the token is the model's own (in the vocabulary), the
         # positions transformers passes are the cache's and its mask grows by a one a step; reading
         # any of them back to check it would make the host wait for the device at every token.
-        decoding = (_CACHE_LENGTH_IN_GENERATE.get() is not None and input_ids is not None
-                    and input_ids.device.type != "cpu" and input_ids.dim() == 2 and input_ids.shape[1] == 1)
+        decoding = _decoding_in_generate(input_ids)
         if input_ids is not None:
             if not decoding:
                 self._check_token_ids(input_ids)

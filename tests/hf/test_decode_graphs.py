@@ -72,13 +72,30 @@ def rank_generates(rank: int, world: int, kernels: str, dtype: torch.dtype, dcp_
     graphs, state = model.decode_graphs, dcp_compile.state(model)
     replays, captured = graphs.replays, sorted(key[0] for key in graphs.captured)
     off_device = _off_device_ops(model, device)
-    syncs = None
-    if kernels == "npu" and dcp_size == 1:  # at DCP > 1 the peers' agreement reads the device per step
+    syncs = peer_flags = None
+    if kernels == "npu":
         syncs = (_syncs_per_decode_step(model, device), _syncs_per_decode_step(copy.deepcopy(reference).to(device), device))
+    if kernels == "npu" and dcp_size > 1:
+        peer_flags = _deferred_agreement_flags(model, device, rank)
     ops = [dict(report.records[-1].ops_after) for report in state.reports]
     return dict(results=results, replays=replays, captured=captured,
                 compiled=len(state.reports), ops=ops, kernels=state.lowering.name, page_size=state.kv_pool.page_size,
-                syncs=syncs, off_device=off_device)
+                syncs=syncs, off_device=off_device, peer_flags=peer_flags)
+
+
+def _deferred_agreement_flags(model, device, rank: int) -> list[int]:
+    """The `peer_step` device flag after a decode step's deferred agreement (no host sync) on
+    the same token on both ranks, then on a token that differs on rank 1."""
+    from dcp_compile.runtime import guards
+
+    flags, index = guards.error_flags(device), guards.INDEX["peer_step"]
+    seen = []
+    for token in (7, 7 + rank):
+        ids = torch.tensor([[token]], device=device)
+        model._agreement.check_step(ids, ids, None, None, deferred=True)
+        seen.append(int(flags[index]))
+        flags.zero_()
+    return seen
 
 
 def _off_device_ops(model, device) -> dict:
@@ -151,16 +168,26 @@ def _count(ops: dict, fragment: str) -> int:
     return sum(count for name, count in ops.items() if fragment in name)
 
 
-def test_a_replayed_decode_step_adds_no_host_sync_to_transformers_loop(ranks):
+@pytest.mark.parametrize("dcp_size", [1, 2])
+def test_a_replayed_decode_step_adds_no_host_sync_to_transformers_loop(ranks, dcp_size):
     """Inside generate() a replayed decode step reads nothing back from the device: no token-id or
     position check (the token is the model's own, the positions the cache's), the cache's length
     kept on the host, the host metadata from the cache's host view, the device error flags read
-    back without a wait. transformers' own loop reads its stop flag once a step (measured on an
-    untouched copy of the model on the same device); the step at DCP 1 adds nothing to it (it
-    added 4 before: the length, the token check, the positions and the error flags)."""
+    back without a wait, and at DCP 2 the peers' agreement all-gathered and compared on the device.
+    transformers' own loop reads its stop flag once a step (measured on an untouched copy of the
+    model on the same device); the step adds nothing to it (it added 4 at DCP 1 before: the
+    length, the token check, the positions and the error flags; at DCP 2 the agreement's 2 more)."""
     for rank in ranks:
-        ours, theirs = rank[("npu", torch.bfloat16, 1)]["syncs"]
+        ours, theirs = rank[("npu", torch.bfloat16, dcp_size)]["syncs"]
         assert ours == theirs, (ours, theirs)
+
+
+def test_a_decode_step_the_peers_disagree_on_sets_the_peer_flag_on_every_rank(ranks):
+    """The deferred agreement: the same token on both ranks leaves the `peer_step` flag clear; a
+    token that differs on one rank sets it on both (the compiled step raises it at the next
+    step, runtime/guards.py)."""
+    for rank in ranks:
+        assert rank[("npu", torch.bfloat16, 2)]["peer_flags"] == [0, 1]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case[0]}-{str(case[1])[6:]}-dcp{case[2]}")
