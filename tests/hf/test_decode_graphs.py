@@ -176,7 +176,7 @@ def test_a_replayed_decode_step_adds_no_host_sync_to_transformers_loop(ranks, dc
     back without a wait, and at DCP 2 the peers' agreement all-gathered and compared on the device.
     transformers' own loop reads its stop flag once a step (measured on an untouched copy of the
     model on the same device); the step adds nothing to it (it added 4 at DCP 1 before: the
-    length, the token check, the positions and the error flags; at DCP 2 the agreement's 2 more)."""
+    length, the token check, the positions and the error flags; at DCP 2 it added 3, the agreement's)."""
     for rank in ranks:
         ours, theirs = rank[("npu", torch.bfloat16, dcp_size)]["syncs"]
         assert ours == theirs, (ours, theirs)
