@@ -80,7 +80,7 @@ def test_flashinfer_serves_every_prompt_length_from_a_few_graphs(monkeypatch):
     reference = tiny_model(max_position_embeddings=512)
     model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kernels="flashinfer", kv_capacity=2048)
     generator = torch.Generator().manual_seed(4)
-    lengths = list(range(2, 33)) + [300, 411]  # 4 heads: past 10 work items from 257 tokens a row
+    lengths = list(range(2, 20)) + [27, 300, 411]  # 4 heads: past 10 work items from 257 tokens a row
     with torch.no_grad():
         for length in lengths:
             rows = 3 if length % 10 == 7 else 1
