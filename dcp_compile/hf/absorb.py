@@ -346,12 +346,16 @@ def match_site(view: fx.Node, allowed: frozenset, memo: dict) -> AbsorbSite:
                       query)
 
 
-def find_sites(graph: fx.Graph) -> tuple[list[AbsorbSite], list[tuple[fx.Node, _Mismatch]]]:
-    """(matched sites, (cache read, mismatch) for each read that does not match)."""
+def find_sites(graph: fx.Graph, padding_inputs: tuple[str, ...] = ()) -> tuple[list[AbsorbSite],
+                                                                               list[tuple[fx.Node, _Mismatch]]]:
+    """(matched sites, (cache read, mismatch) for each read that does not match). padding_inputs:
+    the graph inputs a mask may read besides the cache's state (placeholders whose names end so):
+    a padding mask the front end checked equals the cache's own padding at every step."""
     memo: dict = {}
     sites, failures = [], []
     views = [n for n in graph.nodes if n.op == "call_function" and n.target is targets.CACHE_VIEW]
-    allowed = cache_inputs(views, memo)
+    allowed = cache_inputs(views, memo) | {n for n in graph.nodes
+                                            if n.op == "placeholder" and n.name.endswith(tuple(padding_inputs))}
     for view in views:
         try:
             sites.append(match_site(view, allowed, memo))
@@ -450,13 +454,15 @@ class AbsorbMLA(GraphPass):
 
     name = "absorb_mla"
 
-    def __init__(self):
+    def __init__(self, padding_inputs: tuple[str, ...] = ()):
         self.left_as_is: list[str] = []
         """At dcp_size 1, the layers left to transformers' own attention (why each did not match)."""
+        self.padding_inputs = padding_inputs
+        """find_sites' padding_inputs."""
 
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         graph = gm.graph
-        sites, failures = find_sites(graph)
+        sites, failures = find_sites(graph, self.padding_inputs)
         self.left_as_is.extend(describe_failure(v, m) for v, m in failures)
         if failures and config.dcp_size > 1:
             raise AbsorbError(

@@ -76,6 +76,8 @@ def _decoding_in_generate(input_ids: torch.Tensor | None) -> bool:
 
 
 _UNSERVED_OUTPUTS = ("output_hidden_states", "output_attentions")
+PADDING_MASK_INPUT = "_attention_mask_"
+"""How dynamo's name of the step's attention_mask input ends (l_kwargs_attention_mask_)."""
 
 
 def _unserved_output(name: str) -> str:
@@ -168,7 +170,10 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
     binding = bind(config.replace(kernels=lowering.name), pool, model, replicated=True)
     groups = parallel.build_replicated(config.dcp_size)
     binding.shard_pool(groups.dcp_rank, kv_keep)
-    absorb = AbsorbMLA()
+    # A hybrid's padded steps hand the model the attention mask (its linear-attention layers mask
+    # the padding with it); the step checks it equals the cache's padding (_read_padding), which
+    # the absorbed attention serves as each row's length, so its attention masks may read it.
+    absorb = AbsorbMLA(padding_inputs=(PADDING_MASK_INPUT,) if LINEAR_ATTENTION in kinds else ())
     return DCPTransformersModel(model, DCPState.build(binding, groups, front_end_passes=[absorb]), absorb)
 
 
@@ -426,6 +431,14 @@ class DCPTransformersModel(nn.Module):
         mask = call.pop("attention_mask", None)  # popped, not None: the same arguments, the same graph
         if mask is not None and not (decoding and mask.device.type != "cpu" and length):
             self._read_padding(mask, cache, batch, length, tokens)  # in generate()'s decode steps, its ones
+        if cache.hybrid and any(cache.pads) and tokens > 1:
+            # The linear-attention layers mask the padding's hidden states before their state takes
+            # them in, from the attention mask: a hybrid's padded step keeps it (checked above to be
+            # the cache's padding; the attention layers' masks may read it: PADDING_MASK_INPUT).
+            if mask is None:
+                raise ValueError("a left-padded cache of a model with linear-attention layers needs the attention_mask "
+                                 "at each step of more than one token (its linear-attention layers mask the padding)")
+            call["attention_mask"] = mask.to(inputs.device)
         # Each row's positions: its columns less its left padding (0 on the padding, never written).
         positions = call.get("position_ids")
         if positions is not None and not decoding:
@@ -457,10 +470,6 @@ class DCPTransformersModel(nn.Module):
                              "a row), as generate() pads a batch of prompts for a decoder-only model (tokenizer "
                              "padding_side='left')")
         if length == 0 and bool(pads.any()):
-            if cache.hybrid:
-                raise ValueError(f"attention_mask {mask.int().tolist()}: a left-padded batch of a model with linear-"
-                                 "attention layers is not served (their recurrent state would take in the padding, "
-                                 "which transformers masks there); run its prompts unpadded, one length per batch")
             cache.set_padding(pads.tolist())
 
     def _check_token_ids(self, input_ids: torch.Tensor) -> None:

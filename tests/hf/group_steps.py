@@ -13,7 +13,7 @@ import copy
 import torch
 
 import dcp_compile
-from tests.hf.models import prompt, rank_compare, tiny_model
+from tests.hf.models import available, prompt, rank_compare, tiny_model
 
 WIDTH = 16
 NEW_TOKENS = WIDTH - 5
@@ -111,22 +111,24 @@ def group_steps(rank: int, world: int) -> dict:
                                                                       do_sample=rank == 0))
     results["outer_compile"] = _outer_compile(reference, first, world)
     results["left_padded"] = {kernels: _left_padded_batch(world, kernels) for kernels in ("auto", "flashinfer")}
+    if available("kimi-linear"):  # a hybrid: its linear-attention layers take the padding mask
+        results["left_padded"]["kimi-linear"] = _left_padded_batch(world, "auto", family="kimi-linear")
     results["after_refused_calls"] = _difference(_generate(model, second, do_sample=False),
                                                  _generate(reference, second, do_sample=False))
     return results
 
 
-def _left_padded_batch(world: int, kernels: str) -> dict:
+def _left_padded_batch(world: int, kernels: str, family: str = "v3") -> dict:
     """Prompts of 1, 7 and 20 tokens in one left-padded batch, the mask built by generate() from
     the pad token: transformers' tokens and logits, and the KV rows this rank stores (the
     padding never written)."""
     from tests.hf.test_caches_and_generate import _left_padded
 
-    reference = tiny_model()
+    reference = tiny_model(family=family)
     for config in (reference.config, reference.generation_config):
         config.pad_token_id = 0
     model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=world, kv_capacity=256, kernels=kernels)
-    _, input_ids, mask = _left_padded((1, 7, 20))
+    _, input_ids, mask = _left_padded((1, 7, 20), vocab=reference.config.vocab_size)
     with torch.no_grad():
         got = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)

@@ -226,15 +226,32 @@ def test_a_model_loaded_with_tensor_parallelism_is_refused():
 
 
 @pytest.mark.skipif(not available("kimi-linear"), reason="not in this transformers")
-def test_a_hybrid_model_refuses_a_left_padded_batch_by_name():
+def test_a_hybrid_model_serves_a_left_padded_batch():
     """Kimi-Linear's KDA layers keep a recurrent state that transformers shields from the padding
-    with a mask of their own; the front end does not keep that mask, so it refuses the batch."""
-    model = dcp_compile.apply(tiny_model(family="kimi-linear"), dcp_size=1)
-    input_ids = prompt()
-    mask = torch.ones_like(input_ids)
-    mask[0, :2] = 0
-    with pytest.raises(ValueError, match="a left-padded batch of a model with linear-attention layers is not served"):
-        model.generate(input_ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    with a mask of their own (the padding's hidden states zeroed): the front end hands them that
+    mask, and its MLA layers serve each row's length. Prompts of 1, 7 and 20 tokens in one
+    left-padded batch give transformers' tokens and logits (it refused such a batch before)."""
+    from tests.hf.test_caches_and_generate import _left_padded
+
+    reference = tiny_model(family="kimi-linear")
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kv_capacity=256)
+    _, input_ids, mask = _left_padded((1, 7, 20), vocab=reference.config.vocab_size)
+    got, want = (greedy_with(m, input_ids, attention_mask=mask) for m in (model, reference))
+    assert torch.equal(got[0], want[0])
+    assert float((got[1] - want[1]).abs().max()) < 1e-5
+    unmasked = torch.ones_like(mask)  # the same ids unmasked: the padding taken in, other logits
+    assert float((greedy_with(reference, input_ids, attention_mask=unmasked)[1] - want[1]).abs().max()) > 1e-3
+
+
+def greedy_with(model, input_ids, **kwargs):
+    """generate()'s greedy tokens and per-step logits [B, steps, vocab]."""
+    with torch.no_grad():
+        out = model.generate(input_ids, max_new_tokens=NEW_TOKENS_PADDED, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+NEW_TOKENS_PADDED = 6
 
 
 def test_bf16_generate_matches_transformers_under_the_near_tie_rule():

@@ -210,9 +210,10 @@ def test_torch_compile_around_the_applied_model_keeps_dcp(group):
 
 def test_a_left_padded_batch_matches_transformers_with_the_padding_never_stored(group):
     """Prompts of 1, 7 and 20 tokens, left-padded: transformers' tokens and logits on every rank,
-    and the ranks together store each row's own tokens only; on the torch kernels and on
-    FlashInfer (its stand-in), whose host plans read each row's padding as columns not stored."""
-    for kernels in ("auto", "flashinfer"):
+    and the ranks together store each row's own tokens only; on the torch kernels, on FlashInfer
+    (its stand-in), whose host plans read each row's padding as columns not stored, and for the
+    hybrid Kimi-Linear, whose linear-attention layers mask the padding (it was refused)."""
+    for kernels in ("auto", "flashinfer", *(("kimi-linear",) if available("kimi-linear") else ())):
         for result in group:
             _matches_transformers(result["left_padded"][kernels])
         assert sum(result["left_padded"][kernels]["stored"] for result in group) == group[0]["left_padded"][kernels]["tokens"]
