@@ -170,6 +170,32 @@ def test_a_site_past_the_plans_capacity_stays_for_the_general_kernels(monkeypatc
     assert not fi_plans.plan_placeholders(gm.graph)
 
 
+def test_a_feed_keeps_recent_batch_sizes_and_every_captured_one(monkeypatch):
+    """A graph symbolic in the batch shape makes a plan per batch size (each a wrapper and its
+    buffers): its feed keeps the MAX_SIZED_PLANS most recently used, and every plan a device graph
+    was captured with (its replays read that plan's buffers) for good."""
+    from dcp_compile.runtime.host_metadata import RankHostMetadata
+
+    monkeypatch.setattr(fi_plans, "MAX_SIZED_PLANS", 2)
+    feed = fi_plans.FlashInferFeed(lowered("decode", 1), 0)
+
+    def prepare(rows: int, capturing: bool = False) -> fi_plans.FlashInferPlan:
+        monkeypatch.setattr(fi_plans.devices, "capturing", lambda device: capturing)
+        feed.prepare(RankHostMetadata((1,) * rows, (3,) * rows, (2,) * rows, torch.zeros(rows, 4, dtype=torch.int32)))
+        (plan,) = feed.plans
+        assert plan.spec.rows == rows and plan.spec.tokens == rows and plan.spec.blocks_per_row == 4
+        return plan
+
+    captured = prepare(1, capturing=True)
+    assert captured.planned_for is None  # a capture plans nothing: the runner plans before each replay
+    first = prepare(2)
+    assert prepare(2) is first  # the same size, the same plan (planned again)
+    prepare(3)
+    prepare(4)  # sizes 3 and 4 are the two most recent: size 2's plan is dropped
+    assert prepare(2) is not first
+    assert prepare(1) is captured and captured.planned_for == ((1,), (3,))
+
+
 def test_block_size_must_map_pages_onto_local_blocks():
     assert flashinfer_block_size(8, 2, 1) == 4
     assert flashinfer_block_size(4, 2, 4) == 4

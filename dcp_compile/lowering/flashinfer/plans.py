@@ -24,6 +24,7 @@ plan, so the plan lives exactly as long as the graph's feed holds it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -45,6 +46,9 @@ WORKSPACE_BYTES = 128 << 20
 plans run one at a time on one stream."""
 
 KEY_KINDS = ("all", "prefix")
+MAX_SIZED_PLANS = 16
+"""Plans of batch sizes no device graph was captured with, kept per feed (each holds a wrapper and
+its buffers): a scheduler that never pads makes a new size at most steps."""
 PLAN_INPUT = "flashinfer_plan"
 """The host-input kind of a plan (its index: the plan's position in the graph's specs)."""
 PLAN_SPECS = "dcp_flashinfer_plan_specs"
@@ -229,23 +233,33 @@ class FlashInferFeed(HostFeed):
     def __init__(self, gm: fx.GraphModule, dcp_rank: int):
         self.specs: list[PlanSpec] = gm.meta[PLAN_SPECS]
         super().__init__(gm.graph, dcp_rank, rows=self.specs[0].rows or None)
-        self._sized: dict[PlanSpec, FlashInferPlan] = {}
+        self._sized: collections.OrderedDict[PlanSpec, FlashInferPlan] = collections.OrderedDict()
+        """The plans of recent batch sizes, least recently used first (at most MAX_SIZED_PLANS of
+        them that no capture holds)."""
+        self._captured: dict[PlanSpec, FlashInferPlan] = {}
+        """The plans a device graph was captured with: its replays read their buffers, kept for good."""
         self.plans: list[FlashInferPlan] = []
         """This step's plans, one per spec."""
 
     def prepare(self, host: RankHostMetadata) -> None:
-        self.plans = [self._plan(spec.sized(host)) for spec in self.specs]
+        capturing = devices.capturing(self.specs[0].device)
+        self.plans = [self._plan(spec.sized(host), capturing) for spec in self.specs]
         # plan() copies host values to the device, which a device-graph capture must not record;
         # the graph runner plans before every replay instead.
-        if devices.capturing(self.specs[0].device):
+        if capturing:
             return
         for plan in self.plans:
             plan.plan(host)
 
-    def _plan(self, spec: PlanSpec) -> FlashInferPlan:
-        if spec not in self._sized:
-            self._sized[spec] = FlashInferPlan(spec)
-        return self._sized[spec]
+    def _plan(self, spec: PlanSpec, capturing: bool) -> FlashInferPlan:
+        plan = self._captured.get(spec) or self._sized.pop(spec, None) or FlashInferPlan(spec)
+        if capturing:
+            self._captured[spec] = plan
+        elif spec not in self._captured:
+            self._sized[spec] = plan  # most recently used last
+            while len(self._sized) > MAX_SIZED_PLANS:
+                self._sized.popitem(last=False)
+        return plan
 
     def value(self, host_input: HostInput, host: RankHostMetadata, example):
         if host_input.kind != PLAN_INPUT:
