@@ -14,9 +14,12 @@ Before each replay the step's inputs are copied into the graph's static buffers,
 token ids, positions, the cache's page table (the columns past its width zeroed), its padding and
 each attention layer's length counter; after it, the cache's counters advance as the graph's did.
 Which steps replay: one token a row, a batch size in `batch_sizes`, a cache of at most
-`max_length` columns, no linear-attention layers (their state is allocated inside the step), and
-the same arguments (names and non-tensor values) as the step the graph was captured from; any
-other step runs the compiled step as before. The host-side checks and the DCP peers' agreement
+`max_length` columns, and the same arguments (names and non-tensor values) as the step the graph
+was captured from; any other step runs the compiled step as before. A hybrid model's
+linear-attention layers (transformers' own, whose state the prefill allocates) are captured over
+a static copy of the first cache's state; the cache a graph replays points its layers at those
+tensors (its values copied in once, when the graph takes it over), so a replay updates its state
+in place. The host-side checks and the DCP peers' agreement
 run before every step, replayed or not.
 """
 
@@ -30,7 +33,7 @@ from typing import Callable
 import torch
 
 from dcp_compile import shapes
-from dcp_compile.hf.cache import DCPCache, step_host_metadata
+from dcp_compile.hf.cache import DCPCache, DCPCacheLayer, step_host_metadata
 from dcp_compile.runtime.graph_runner import device_graphs, feed_replay
 
 
@@ -67,7 +70,7 @@ class DecodeGraphs:
         """The captured graph's key for a step, or None where the step does not replay."""
         input_ids, cache = call.get("input_ids"), call.get(cache_kwarg)
         if (input_ids is None or call.get("inputs_embeds") is not None or not isinstance(cache, DCPCache)
-                or cache.hybrid or input_ids.shape[1] != 1 or input_ids.shape[0] not in self.batch_sizes
+                or input_ids.shape[1] != 1 or input_ids.shape[0] not in self.batch_sizes
                 or cache.max_length > self.max_length):
             return None
         others = []
@@ -100,6 +103,7 @@ class DecodeGraphs:
             table[:, :width].copy_(cache.req_to_token)
             table[:, width:].zero_()
             captured.cache.pad_tensor.copy_(cache.pad_tensor)
+            _hold_linear_state(captured.cache, cache, captured.holds())
             captured.holds = weakref.ref(cache)
         layers = cache.attention_layers()
         for static, layer in zip(captured.cache.attention_layers(), layers):
@@ -117,6 +121,8 @@ class DecodeGraphs:
         front = self.front
         state = front.dcp_state
         cache = DCPCache(state.kv_pool, batch, self.max_length, front._layer_types, placeholder=True)
+        for static, real in zip(_linear_layers(cache), _linear_layers(call[cache_kwarg])):
+            _mirror(static, real)
         input_ids = torch.zeros_like(call["input_ids"])
         position_ids = torch.zeros_like(call["position_ids"])
         kwargs = dict(call, input_ids=input_ids, position_ids=position_ids, **{cache_kwarg: cache})
@@ -144,3 +150,49 @@ class DecodeGraphs:
 
         graph, output = self.graphs.capture(step, prepare)
         return _Captured(graph, cache, input_ids, position_ids, output, list(state.host_slot.fed))
+
+
+_LINEAR_STATES = ("conv_states", "recurrent_states")
+"""A linear-attention layer's state tensors, by state index (transformers' LinearAttentionLayer)."""
+
+
+def _linear_layers(cache: DCPCache) -> list:
+    return [layer for layer in cache.layers if not isinstance(layer, DCPCacheLayer)]
+
+
+def _clone(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: _clone(item) for key, item in value.items()}
+    return copy.copy(value)
+
+
+def _mirror(static, real) -> None:
+    """A static cache's linear-attention layer made like a real cache's, after its prefill: the
+    same state tensors (shapes, dtypes, devices), flags and kernel sizes, so the graph captured
+    over it takes the decode branch and updates tensors of the real ones' shapes in place."""
+    for name, value in vars(real).items():
+        setattr(static, name, _clone(value))
+
+
+def _hold_linear_state(static_cache: DCPCache, cache: DCPCache, previous: DCPCache | None) -> None:
+    """The static cache's linear-attention state becomes `cache`'s: its values copied in once, and
+    `cache`'s layers pointed at the static tensors, which every replay (and any step of `cache`
+    outside the graph) updates in place, so a decode step copies no state. The cache held before
+    (`previous`, if still alive) gets its state back in tensors of its own."""
+    for i, static in enumerate(_linear_layers(static_cache)):
+        if previous is not None:
+            old = _linear_layers(previous)[i]
+            for name in _LINEAR_STATES:
+                setattr(old, name, _clone(getattr(static, name)))
+            old.cumulative_length_linear = static.cumulative_length_linear.clone()
+        real = _linear_layers(cache)[i]
+        for name in _LINEAR_STATES:
+            held, own = getattr(static, name), getattr(real, name)
+            for index, tensor in own.items():
+                if tensor is not None:
+                    held[index].copy_(tensor)
+                    own[index] = held[index]
+        static.cumulative_length_linear.copy_(real.cumulative_length_linear)
+        real.cumulative_length_linear = static.cumulative_length_linear

@@ -129,7 +129,7 @@ def install(device_count: int = DEVICE_COUNT) -> None:
         torch.ops.dcp_npu_emulator.set_device_count(device_count)
         from dcp_compile.testing.npu_emulator import op_coverage
 
-        torch.ops.dcp_npu_emulator.register_device_kernels(sorted(op_coverage.FALLBACKS))
+        torch.ops.dcp_npu_emulator.register_device_kernels(sorted(op_coverage.FALLBACKS) + list(op_coverage.OWN_KERNELS))
         torch.utils.rename_privateuse1_backend("npu")
         from dcp_compile.testing.npu_emulator import hccl, module
 

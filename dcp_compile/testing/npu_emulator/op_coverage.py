@@ -46,6 +46,12 @@ NPU graphs (docs/ascend.md §16): no other kernel of theirs leaves the device (t
 calls of the binary ops' kernels read 0-dim *host* tensors, as Python scalars)."""
 
 
+OWN_KERNELS = ("convolution",)
+"""Ops torch_npu registers a kernel of its own for (npu_aten_ops) where torch's PrivateUse1 path is
+an op no CPU kernel serves (convolution -> convolution_overrideable): the emulator runs them whole
+(a linear-attention layer's short causal conv1d, Kimi-Linear's KDA)."""
+
+
 def _always(*_) -> bool:
     return True
 
