@@ -124,6 +124,7 @@ def test_negative_control_unsharded_kv_write(runs):
         assert not result["tokens_equal"]
 
 
+@pytest.mark.matrix  # DCP 4 against transformers runs by default in tests/checkpoints/test_oracle.py (DCP 4 x TP 4)
 def test_dcp4_matches_transformers():
     per_rank = [results[0] for results in spawn(rank_compare, 4, [MATCHING["v3-sdpa"]])]
     for result in per_rank:
