@@ -39,8 +39,7 @@ import dcp_compile
 from bench.lib import result as results
 from bench.lib.cases import fill_random, host_metadata, page_size, shared_kv_allocate, stack_batch
 from bench.lib.timing import require_cuda
-from bench.step import fresh_inductor_cache
-from dcp_compile.models.config import preset
+from bench.step import fresh_inductor_cache, model_config
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import parallel
 from dcp_compile.runtime.graph_runner import CudaGraphs, GraphRunner
@@ -81,20 +80,14 @@ def kinds(args) -> list[tuple[str, int, list[int]]]:
 
 
 def build(args, device):
-    base = preset("tiny-512") if args.smoke else preset("kimi-k2")
-    mlp = {} if args.smoke else {"intermediate_size": 2048}
-    cfg = base.replace(vocab_size=4096, layer_types=("mla",) * args.layers, **mlp)  # stack_batch's ids are < 4096
+    cfg = model_config(args)
     largest = max(args.decode_sizes + args.verify_sizes)
-    model = MLAModel(cfg, kv_capacity=largest * width(args) + 2 * page_size(1), max_requests=largest,
+    model = MLAModel(cfg, kv_capacity=largest * args.context + 2 * page_size(1), max_requests=largest,
                      par=parallel.build(1, 1), dtype=torch.bfloat16, device=device, page_size=page_size(1))
     compiled = dcp_compile.apply(model, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=args.kernels,
                                  inner_compile=args.inner_compile)
     fill_random(model.kv_pool.cache(0))
     return cfg, compiled
-
-
-def width(args) -> int:
-    return args.context
 
 
 def graphs_of(device):
@@ -106,8 +99,8 @@ def graphs_of(device):
 
 
 def batch_of(args, size: int, k: int, device):
-    batch = stack_batch(size, args.context, k, 1, device, width(args))
-    batch.host = host_metadata(size, args.context, k, 1, width(args)).bind(*batch.args())
+    batch = stack_batch(size, args.context, k, 1, device, args.context)
+    batch.host = host_metadata(size, args.context, k, 1, args.context).bind(*batch.args())
     return batch
 
 

@@ -296,9 +296,10 @@ class DCPTransformersModel(nn.Module):
             inputs = input_ids if input_ids is not None else call.get("inputs_embeds")
             if inputs is None:
                 raise ValueError("a DCP step needs input_ids or inputs_embeds")
+            decoding = _decoding_in_generate(input_ids)
             self._agreement.check_step(inputs, input_ids, call.get(self.cache_kwarg), call.get("attention_mask"),
-                                       deferred=_decoding_in_generate(input_ids))
-            call = self._checked(call)
+                                       deferred=decoding)
+            call = self._checked(call, decoding)
             cache = call.get(self.cache_kwarg)
             padded = cache is not None and any(cache.pads)
             self._check_padding_is_served(padded)
@@ -383,14 +384,14 @@ class DCPTransformersModel(nn.Module):
         those of the steps before it by itself)."""
         self._compiled_step.check_errors()
 
-    def _checked(self, call: dict) -> dict:
-        """The call as the compiled step takes it, or a ValueError saying what it cannot serve."""
+    def _checked(self, call: dict, decoding: bool) -> dict:
+        """The call as the compiled step takes it, or a ValueError saying what it cannot serve.
+        decoding: one of generate()'s decode steps on a device (_decoding_in_generate)."""
         dcp_size = self.dcp_state.config.dcp_size
         input_ids = call.get("input_ids")
         # generate()'s decode steps on a device: the token is the model's own (in the vocabulary), the
         # positions transformers passes are the cache's and its mask grows by a one a step; reading
         # any of them back to check it would make the host wait for the device at every token.
-        decoding = _decoding_in_generate(input_ids)
         if input_ids is not None:
             if not decoding:
                 self._check_token_ids(input_ids)

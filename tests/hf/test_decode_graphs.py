@@ -55,14 +55,7 @@ def rank_generates(rank: int, world: int, kernels: str, dtype: torch.dtype, dcp_
     calls = [(prompt(), {}), (prompt(3)[:1], {}), (padded, {"attention_mask": mask}), (prompt(5), {})]
     results = []
     for input_ids, extra in calls:
-        outputs = []
-        for served, on in ((model, device), (reference, torch.device("cpu"))):
-            with torch.no_grad():
-                out = served.generate(input_ids.to(on), **{k: v.to(on) for k, v in extra.items()},
-                                      max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                                      return_dict_in_generate=True)
-            outputs.append((out.sequences.cpu(), torch.stack(out.logits, 1).cpu()))
-        (got, want) = outputs
+        _, got, want = _generate_both(model, device, reference, input_ids, extra)
         try:  # plain values back to the test: tensors in the result queue outlive their rank
             near_tie = ("ok", agree_near_ties(got, want, BF16_LOGITS))
         except AssertionError as exc:
@@ -126,6 +119,20 @@ def _syncs_per_decode_step(model, device) -> float:
     return (counts[2] - counts[1]) / 8
 
 
+def _generate_both(model, device, reference, input_ids, extra: dict):
+    """generate() of the applied model on `device` and of the untouched reference on the CPU: (the
+    model's output, its (tokens, logits [B, steps, vocab]) on the CPU, the reference's)."""
+    outputs = []
+    for served, on in ((model, device), (reference, torch.device("cpu"))):
+        with torch.no_grad():
+            out = served.generate(input_ids.to(on), **{k: v.to(on) for k, v in extra.items()},
+                                  max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True)
+        outputs.append(out)
+    got, want = ((out.sequences.cpu(), torch.stack(out.logits, 1).cpu()) for out in outputs)
+    return outputs[0], got, want
+
+
 def rank_hybrid(rank: int, world: int) -> dict:
     """Kimi-Linear (2 KDA and 2 MLA layers) at DCP 2, kernels="triton" in fp32, decode graphs on: a
     batch of 2, then a second batch of 2 (a new cache taking the graph over while the first is
@@ -143,21 +150,15 @@ def rank_hybrid(rank: int, world: int) -> dict:
     calls = [(prompt(vocab=vocab), {}), (prompt(5, vocab=vocab), {})]
     worst, equal, outputs = 0.0, True, []
     for input_ids, extra in calls:
-        got = []
-        for served, on in ((model, device), (reference, torch.device("cpu"))):
-            with torch.no_grad():
-                out = served.generate(input_ids.to(on), **{k: v.to(on) for k, v in extra.items()},
-                                      max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                                      return_dict_in_generate=True)
-            got.append((out.sequences.cpu(), torch.stack(out.logits, 1).cpu()))
-            if served is model:
-                outputs.append(out)
-        equal &= bool(torch.equal(got[0][0], got[1][0]))
-        worst = max(worst, float((got[0][1] - got[1][1]).abs().max()))
+        out, got, want = _generate_both(model, device, reference, input_ids, extra)
+        outputs.append(out)
+        equal &= bool(torch.equal(got[0], want[0]))
+        worst = max(worst, float((got[1] - want[1]).abs().max()))
         if len(outputs) == 1:  # the first cache's state, before another cache takes its graph over
             first_state = [layer.recurrent_states[0].cpu() for layer in _kda(outputs[0].past_key_values)]
     handed_back = [layer.recurrent_states[0].cpu() for layer in _kda(outputs[0].past_key_values)]
-    return dict(tokens_equal=equal, logits=worst, replays=model.decode_graphs.replays,
+    replays = model.decode_graphs.replays
+    return dict(tokens_equal=equal, logits=worst, replays=replays, off_device=_off_device_ops(model, device),
                 state_kept=all(torch.equal(a, b) for a, b in zip(first_state, handed_back)))
 
 
@@ -257,6 +258,8 @@ def test_a_hybrid_model_replays_its_decode_steps_with_transformers_tokens(ranks)
         assert run["tokens_equal"] and run["logits"] < 1e-4, run
         assert run["replays"] == 2 * (NEW_TOKENS - 1)
         assert run["state_kept"]
+        # Every aten op of its generate() (the KDA layers' included) one torch_npu runs on the device.
+        assert run["off_device"] == {"off_device": {}, "syncing": {}}, run["off_device"]
 
 
 def test_triton_compiles_one_graph_per_kind_of_step(ranks):
