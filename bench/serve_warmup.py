@@ -8,10 +8,13 @@ The model is bench.step's 61-layer Kimi-K2-shaped stack at DCP 1 (64 heads, R 51
 attention weights, a 2048-wide MLP, bf16; its layers share one KV buffer), applied with
 --kernels and --inner-compile. Its steps run through a GraphRunner over
 `DCPModel.compiled("gather-q", symbolic=True)`: one compile for every batch size. For decode at
---decode-sizes and verify k = --draft at --verify-sizes, every request --context long:
+--decode-sizes and verify k = --draft at --verify-sizes, every request --context long,
+largest size first (as vLLM captures): the compile's size hints are its first call's sizes, and
+inductor's fusion at a hint of 1 row can treat a batch dimension as 1 (on an H100 with torch 2.11,
+a size-1-first compile failed in inductor's codegen: "CantSplit: 7168 not divisible by 7168*s72"):
   - capture_seconds, per size: its first step (the capture, and for the first size of a kind
     the compile too);
-  - compile_seconds: the first decode size's (cold: an empty inductor cache for this run);
+  - compile_seconds: the first (largest) decode size's (cold: an empty inductor cache for this run);
     warm_compile_seconds: the same in a second process with the caches kept;
   - ready_seconds: from the first compile until every size is captured;
   - recompiles: graphs the captures compiled after the first size of each kind (decode,
@@ -75,6 +78,10 @@ def parse_args(argv=None):
     return args
 
 
+def capture_order(sizes: list[int]) -> list[int]:
+    return sorted(sizes, reverse=True)
+
+
 def kinds(args) -> list[tuple[str, int, list[int]]]:
     return [("decode", 1, args.decode_sizes), ("verify", args.draft, args.verify_sizes)]
 
@@ -118,7 +125,7 @@ def first_ready_seconds(args, device) -> float:
     _, compiled = build(args, device)
     runner = GraphRunner(compiled.compiled("gather-q", symbolic=True), buckets=args.decode_sizes,
                          graphs=graphs_of(device), host_slot=dcp_compile.state(compiled).host_slot)
-    batch = batch_of(args, args.decode_sizes[0], 1, device)
+    batch = batch_of(args, capture_order(args.decode_sizes)[0], 1, device)
     started = time.perf_counter()
     runner(batch, 1)
     sync(device)
@@ -165,7 +172,7 @@ def run(args, device, result: dict) -> None:
         runner = GraphRunner(compiled.compiled("gather-q", symbolic=True), buckets=sizes, graphs=graphs_of(device),
                              host_slot=state.host_slot)
         step = compiled.compiled("gather-q", symbolic=True)
-        for i, size in enumerate(sizes):
+        for i, size in enumerate(capture_order(sizes)):
             batch = batch_of(args, size, k, device)
             graphs_before = compiled_graphs(compiled)
             sync(device)

@@ -26,6 +26,13 @@ from dcp_compile.runtime.kv_pool import MLAKVPool, check_cache_dtype
 from dcp_compile.runtime.parallel import ParallelState
 
 
+
+def per_head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[T, H, K] by [H, K, N] -> [T, H, N], each head's rows by its own matrix. bmm, not einsum:
+    einsum guards that T is not 1 (its broadcasting rule), so a graph symbolic in the batch would
+    still compile a step of one token apart."""
+    return torch.bmm(x.transpose(0, 1), weight).transpose(0, 1)
+
 class WeightFactory:
     """Deterministic full-size weights, sliced for one TP rank. On the meta device only shapes
     are made (graph dumps and pass benchmarks of full-size models allocate nothing).
@@ -116,13 +123,15 @@ class MLAAttention(nn.Module):
         kv = F.linear(x, self.kv_a)
         latent = self.kv_a_norm(kv[:, : cfg.kv_lora_rank])
         k_rope = apply_rope(kv[:, cfg.kv_lora_rank :], positions, self.rope_inv_freq, self.rope_scale)
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)
+        q_latent = per_head_matmul(q_nope, self.w_uk)
 
         cache = self.pool.cache(self.mla_index)
         ops.mla_kv_write(cache, latent, k_rope, out_loc)
         o_latent = ops.mla_attention(q_latent, q_rope.contiguous(), cache, req_to_token, seq_lens, q_seq_ids, positions, self.sm_scale)
 
-        o = torch.einsum("thr,hrv->thv", o_latent, self.w_uv).reshape(T, -1)
+        # clone, not reshape: a [T, H, v] seen from [H, T, v] flattens without a copy only at T = 1,
+        # a guard that would split a batch-symbolic graph at one token
+        o = per_head_matmul(o_latent, self.w_uv).clone(memory_format=torch.contiguous_format).view(T, -1)
         return all_reduce(F.linear(o, self.o_proj), self.tp_group_name)
 
 

@@ -49,6 +49,8 @@ class _Products(nn.Module):
     def forward(self, x, per_head, x32):
         return (F.linear(x, self.w),                                  # swapped
                 torch.einsum("thk,hkn->thn", per_head, self.heads),   # swapped
+                torch.bmm(per_head.transpose(0, 1), self.heads).transpose(0, 1),  # swapped
+                torch.bmm(per_head.transpose(0, 1), self.heads),      # not seen as [T, H, N]: left
                 F.linear(x, self.w, self.bias),                       # a bias: left
                 F.linear(x32, self.fp32_w),                           # fp32: left
                 torch.einsum("bhk,bkn->bhn", per_head.transpose(0, 1).contiguous()[:2], self.heads),  # another form
@@ -66,11 +68,12 @@ def _graph(module, *inputs) -> fx.GraphModule:
     return captured[0]
 
 
-def test_the_finder_matches_bias_free_half_precision_linears_and_per_head_einsums_only():
+def test_the_finder_matches_bias_free_half_precision_linears_and_per_head_products_only():
     gm = _graph(_Products(torch.bfloat16), torch.randn(3, 8).bfloat16(), torch.randn(3, 2, 8).bfloat16(), torch.randn(3, 8))
     sites = find_projection_sites(gm.graph, ("cpu",))
-    assert [s.kind for s in sites] == ["linear", "heads"]
+    assert [s.kind for s in sites] == ["linear", "heads", "heads"]
     assert sites[0].node.args[1].name.endswith("_w_") and sites[1].node.args[0] == "thk,hkn->thn"
+    assert sites[2].operands[0].name == "l_per_head_" and sites[2].replaced[0].target is torch.bmm
     assert find_projection_sites(gm.graph, ("cuda",)) == []  # another device
     gm32 = _graph(_Products(torch.float32), torch.randn(3, 8), torch.randn(3, 2, 8), torch.randn(3, 8))
     assert find_projection_sites(gm32.graph, ("cpu",)) == []
@@ -108,12 +111,12 @@ def test_the_reference_model_runs_its_projections_through_the_kernel_with_cublas
     report = next(b.reports[-1] for b in state.backends.values() if b.reports)
     (record,) = [r for r in report.records if r.name == "lower_projections"]
     # per MLA layer: q_a+kv_a (fused), q_b, o_proj, gate+up (fused), down, and the W_UK / W_UV
-    # einsums; per linear-attention layer: q+k+v (fused), o_proj, gate+up, down; and the LM head
+    # per-head products (bmm); per linear-attention layer: q+k+v (fused), o_proj, gate+up, down; and the LM head
     mla, linear_attention = 5 + 2, 4
     assert record.sites == 2 * mla + linear_attention + 1
-    assert record.ops_after.get("linear", 0) == 0 and record.ops_after.get("einsum", 0) == 0
+    assert record.ops_after.get("linear", 0) == 0 and record.ops_after.get("bmm", 0) == 0
     assert record.ops_after["dcp_triton::skinny_linear"] == record.ops_before["linear"]
-    assert record.ops_after["dcp_triton::head_matmul"] == record.ops_before["einsum"] == 4
+    assert record.ops_after["dcp_triton::head_matmul"] == record.ops_before["bmm"] == 4
     assert launches and max(launches) <= skinny_matmul.MAX_ROWS  # decode rows ran the kernel; the prefill did not
 
 
