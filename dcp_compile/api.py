@@ -73,9 +73,12 @@ class DCPModel(nn.Module):
     def compiled(self, strategy_name: str = "gather-q", symbolic: bool = False):
         """The compiled step of one strategy, for callers that fix it (a GraphRunner: one device
         graph per batch bucket). Static shapes by default: one compile per bucket. symbolic=True:
-        one compile for every batch size (the first dimension of every tensor argument symbolic;
-        dynamo compiles a size of 1 on its own), from which a runner captures each bucket; where
-        the back end compiles this strategy per batch shape (Lowering.static_shapes), a ValueError."""
+        one compile for every batch size (the first dimension of every tensor argument symbolic, a
+        size of 1 included), from which a runner captures each bucket; where the back end compiles
+        this strategy per batch shape (Lowering.static_shapes), a ValueError. Call it first with
+        the largest bucket: the first call's sizes are the compile's size hints, which inductor
+        tiles and fuses for (a compile hinted at one row failed in inductor's codegen on an H100,
+        torch 2.11)."""
         state = self.dcp_state
         if symbolic and state.lowering.static_shapes(strategy_name, state.config):
             raise ValueError(f"kernels={state.lowering.name!r} compiles the {strategy_name} step per batch shape (with "

@@ -47,8 +47,8 @@ def distinct_sizes():
         yield
 
 
-_SIZE_OBLIVIOUS = (fx_config.patch(backed_size_oblivious=True) if hasattr(fx_config, "backed_size_oblivious")
-                   else contextlib.nullcontext())
+SIZE_OBLIVIOUS_SUPPORTED = hasattr(fx_config, "backed_size_oblivious")
+_SIZE_OBLIVIOUS = fx_config.patch(backed_size_oblivious=True) if SIZE_OBLIVIOUS_SUPPORTED else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 import warnings
 from dataclasses import fields
 
@@ -63,6 +64,9 @@ class _DeviceGraphs:
         self.backend = getattr(torch, self.backend_name)
         self.device = torch.device(self.backend_name, self.backend.current_device())
         self.pool = self.backend.graph_pool_handle()
+
+    def synchronize(self) -> None:
+        self.backend.synchronize()
 
     def capture(self, run, prepare=None):
         """(graph, output) of `run` captured; `prepare`, if given, runs before each warm-up and
@@ -267,10 +271,14 @@ class GraphRunner:
         torch.ops.dcp.check_metadata(table, *(fresh[name].cpu() for name in ("seq_lens", "q_seq_ids", "positions",
                                                                               "out_loc")))
 
-    def capture(self, template: ForwardBatch, tokens_per_row: int) -> _Captured:
-        """Capture the graph for template's bucket and page-table width. Verify graphs (more than
-        one token per row) return logits for every token; decode graphs, for every row."""
-        bucket = self.bucket_for(template.rows)
+    def capture(self, template: ForwardBatch, tokens_per_row: int, bucket: int | None = None) -> _Captured:
+        """Capture the graph for `bucket` (template's, by default) and template's page-table width.
+        Verify graphs (more than one token per row) return logits for every token; decode graphs,
+        for every row."""
+        if bucket is None:
+            bucket = self.bucket_for(template.rows)
+        elif bucket not in self.buckets:
+            raise ValueError(f"bucket {bucket} is not one of this runner's {self.buckets}")
         width = template.req_to_token.shape[1]
         inputs = ForwardBatch.empty(width).padded(bucket, tokens_per_row).to(self.graphs.device)
         if template.host is not None:
@@ -281,6 +289,24 @@ class GraphRunner:
         self.captured[(bucket, tokens_per_row, width)] = captured
         log.info("captured a graph for bucket %d x %d tokens", bucket, tokens_per_row)
         return captured
+
+    def capture_buckets(self, template: ForwardBatch, tokens_per_row: int = 1) -> dict[int, float]:
+        """Capture every bucket not yet captured for template's page-table width, largest first,
+        before serving; returns each one's seconds (the first holds the step's compile). Largest
+        first: a step compiled symbolic in the batch (`DCPModel.compiled(..., symbolic=True)`)
+        takes its first call's sizes as the compile's hints, and every smaller bucket then
+        replays that compile."""
+        seconds = {}
+        width = template.req_to_token.shape[1]
+        synchronize = getattr(self.graphs, "synchronize", lambda: None)  # host-run stand-ins have none
+        for bucket in sorted(self.buckets, reverse=True):
+            if (bucket, tokens_per_row, width) in self.captured:
+                continue
+            started = time.perf_counter()
+            self.capture(template, tokens_per_row, bucket)
+            synchronize()
+            seconds[bucket] = time.perf_counter() - started
+        return seconds
 
     def __call__(self, batch: ForwardBatch, tokens_per_row: int = 1) -> torch.Tensor:
         bucket = self.bucket_for(batch.rows)

@@ -1,6 +1,6 @@
 """One compile for every batch bucket: `DCPModel.compiled(strategy, symbolic=True)` under a
-GraphRunner captures each bucket's graph from one compiled graph (dynamo compiles a size of 1 on
-its own), on the back ends whose graphs may be symbolic (Lowering.static_shapes); every replay
+GraphRunner captures each bucket's graph from one compiled graph (a size of 1 too, where torch has
+size-oblivious sizes and the largest bucket compiles first), on the back ends whose graphs may be symbolic (Lowering.static_shapes); every replay
 equals the same model's eager step."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 import dcp_compile
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
+from dcp_compile import shapes
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.graph_runner import GraphRunner
 from dcp_compile.testing.graphs import RerunGraphs
@@ -55,6 +56,30 @@ def test_a_runner_captures_every_bucket_from_one_compile():
     # All four buckets from one graph (torch 2.13), or bucket 1 on its own where dynamo
     # specialises a size of 1; the static variant compiles one per bucket.
     assert 1 <= _decode_graphs(served) - before <= 2, _decode_graphs(served) - before
+
+
+def test_capturing_the_buckets_largest_first_compiles_once_for_all_of_them():
+    """capture_buckets before serving: every bucket, largest first, from one compiled graph (its
+    hints the largest bucket's); the decode steps after it only replay, equal to the eager step."""
+    served, reference = _model("torch"), _model("torch")
+    tables = _prefilled(served, reference)
+    before = _decode_graphs(served)
+    runner = GraphRunner(served.compiled("gather-q", symbolic=True), buckets=BUCKETS, graphs=RerunGraphs())
+    template = RequestTable(8, 128, 2048, PAGE).extend_batch([0], [[9]])  # the page-table width only
+    seconds = runner.capture_buckets(template)
+    assert list(seconds) == sorted(BUCKETS, reverse=True) and all(s > 0 for s in seconds.values())
+    compiled = _decode_graphs(served) - before
+    # torch without size-oblivious sizes specialises a size of 1: one graph more
+    assert compiled == (1 if shapes.SIZE_OBLIVIOUS_SUPPORTED else 2), compiled
+    assert runner.capture_buckets(template) == {}  # nothing left to capture
+    for step, rows in enumerate(DECODE_ROWS):
+        tokens = [[10 + step]] * len(rows)
+        got = runner(tables[0].extend_batch(rows, tokens))
+        batch = tables[1].extend_batch(rows, tokens)
+        torch.testing.assert_close(got, reference(*batch.args(), host_metadata=batch.host), atol=1e-5, rtol=1e-5)
+    assert _decode_graphs(served) - before == compiled  # the steps compiled nothing
+    with pytest.raises(ValueError, match="bucket 3 is not one of"):
+        runner.capture(template, 1, bucket=3)
 
 
 def test_flashinfer_captures_every_bucket_from_one_compile_with_a_plan_per_bucket():
