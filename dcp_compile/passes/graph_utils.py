@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 from torch.fx.node import map_arg
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -58,7 +58,7 @@ def _find_fake_mode(graph: fx.Graph):
 
 
 class UncacheableValue(Exception):
-    """A value whose metadata does not determine what an op computes from it (or is symbolic)."""
+    """A value whose metadata does not determine what an op computes from it (or is data-dependent)."""
 
 
 _CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -72,10 +72,10 @@ def fake_signature(value):
     """
     if isinstance(value, FakeTensor):
         shape, stride = tuple(value.shape), value.stride()
-        if not all(type(d) is int for d in shape + stride):
-            raise UncacheableValue
-        return (FakeTensor, shape, stride, value.storage_offset(), value.dtype, value.device, value.layout,
-                value.requires_grad, value.is_conj(), value.is_neg())
+        return (FakeTensor, _sizes(shape), _sizes(stride), _size(value.storage_offset()), value.dtype, value.device,
+                value.layout, value.requires_grad, value.is_conj(), value.is_neg())
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _size(value)
     if isinstance(value, _CONSTANT_TYPES) or value is Ellipsis:
         return (type(value), value)
     if isinstance(value, (tuple, list)):
@@ -85,6 +85,23 @@ def fake_signature(value):
     if isinstance(value, dict):
         return (dict, tuple((k, fake_signature(v)) for k, v in value.items()))
     raise UncacheableValue
+
+
+def _size(value):
+    """An int, or a symbolic size as its expression over the graph's backed symbols: within one
+    shape environment, equal expressions are equal sizes (a batch-symbolic graph's layers repeat
+    the same ones). A size over an unbacked symbol (data-dependent) is not a key."""
+    if type(value) is int:
+        return value
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        if free_unbacked_symbols(value):
+            raise UncacheableValue
+        return (type(value), value.node.expr)
+    raise UncacheableValue
+
+
+def _sizes(values) -> tuple:
+    return tuple(_size(v) for v in values)
 
 
 def is_fake_result(value) -> bool:

@@ -44,10 +44,12 @@ _ORDERING_ONLY = (torch.ops._c10d_functional.wait_tensor.default, torch.ops._c10
 
 class _SharedFakeTensorProp(FakeTensorProp):
     """FakeTensorProp that reuses the result of an earlier node with the same op and the same
-    input metadata. Only pure call_function/call_method nodes with static shapes (and collective
-    waits) are reused; placeholders, mutating, random and higher-order ops always run. A reused node records the
-    same fake value object as the node it repeats: fake values are read-only metadata, and a
-    fresh snapshot per node would cost as much as the propagation it saves."""
+    input metadata. Only pure call_function/call_method nodes (and collective waits) whose sizes
+    are ints or expressions of backed symbols are reused (a batch-symbolic graph's layers repeat
+    the same expressions); placeholders, mutating, random and higher-order ops always run. A
+    reused node records the same fake value object as the node it repeats: fake values are
+    read-only metadata, and a fresh snapshot per node would cost as much as the propagation it
+    saves."""
 
     def __init__(self, module: fx.GraphModule, mode):
         super().__init__(module, mode)
