@@ -10,14 +10,9 @@ from dcp_compile.harness.scenario import Scenario
 GLOO_SCENARIOS = [
     # Verify: k = 7 with scripted accept/reject (0..6 drafts accepted), then local lengths recomputed.
     Scenario(mode="verify", dcp_size=2, tp_size=2, batch=3, contexts=(1, 5, 20), draft_len=7, steps=3, seed=5),
-    Scenario(mode="verify", dcp_size=4, tp_size=4, batch=2, contexts=(2, 9), draft_len=3, steps=2, seed=6),
-    Scenario(mode="verify", dcp_size=1, tp_size=2, batch=2, contexts=(2, 9), draft_len=4, steps=2, seed=6),
     # Extend: chunked prefill over a sharded prefix, both strategies forced, and the cost model.
     Scenario(mode="extend", dcp_size=2, tp_size=2, batch=3, contexts=(1, 40, 23), chunk=9, steps=1,
              attention_strategy="gather-kv", seed=7),
-    Scenario(mode="extend", dcp_size=4, tp_size=4, batch=2, contexts=(3, 30), chunk=11, steps=1,
-             attention_strategy="gather-q", seed=8),
-    Scenario(mode="extend", dcp_size=1, tp_size=2, batch=2, contexts=(3, 30), chunk=11, steps=1, seed=8),
     # Page-interleaved (I = page size = 4) with a shared prefix of two pages: prefix-cache pages
     # stay in the scheduler's logical address space, so nothing needs scaling by N.
     Scenario(mode="extend", dcp_size=2, tp_size=2, batch=3, contexts=(20, 14, 1), chunk=6, steps=2, interleave=4,
@@ -26,10 +21,21 @@ GLOO_SCENARIOS = [
     Scenario(mode="verify", dcp_size=2, tp_size=2, batch=2, contexts=(1, 12), draft_len=3, steps=1, seed=10,
              kernels="triton", attention_strategy="gather-q"),
 ]
+MATRIX_SCENARIOS = [
+    # DCP 4 (the same passes at N = 4; DCP 4 runs by default in test_dcp_equivalence.py's decode and
+    # tests/checkpoints/test_oracle.py's DCP 4 x TP 4 against transformers).
+    Scenario(mode="verify", dcp_size=4, tp_size=4, batch=2, contexts=(2, 9), draft_len=3, steps=2, seed=6),
+    Scenario(mode="extend", dcp_size=4, tp_size=4, batch=2, contexts=(3, 30), chunk=11, steps=1,
+             attention_strategy="gather-q", seed=8),
+    # TP 2 without DCP (tests/checkpoints/test_oracle.py runs TP 2 at dcp_size 1 against transformers).
+    Scenario(mode="verify", dcp_size=1, tp_size=2, batch=2, contexts=(2, 9), draft_len=4, steps=2, seed=6),
+    Scenario(mode="extend", dcp_size=1, tp_size=2, batch=2, contexts=(3, 30), chunk=11, steps=1, seed=8),
+]
+GLOO_SCENARIOS += MATRIX_SCENARIOS
 
 
 @pytest.mark.parametrize(
-    "scenario", GLOO_SCENARIOS,
+    "scenario", [s if s not in MATRIX_SCENARIOS else pytest.param(s, marks=pytest.mark.matrix) for s in GLOO_SCENARIOS],
     ids=lambda s: f"{s.mode}-tp{s.tp_size}-dcp{s.dcp_size}-I{s.interleave}-{s.attention_strategy}-{s.kernels}",
 )
 def test_mode_matches_dcp_size_one(scenario, scenario_results):
