@@ -82,6 +82,23 @@ def test_capturing_the_buckets_largest_first_compiles_once_for_all_of_them():
         runner.capture(template, 1, bucket=3)
 
 
+def test_a_batch_past_the_largest_bucket_runs_the_compiled_graph_without_a_new_compile():
+    """More rows than any bucket: the runner runs the step outside any graph (one warning), from
+    the graph compiled for the buckets, and gives the eager step's logits."""
+    served, reference = _model("torch"), _model("torch")
+    tables = _prefilled(served, reference)
+    runner = GraphRunner(served.compiled("gather-q", symbolic=True), buckets=(1, 2, 4), graphs=RerunGraphs())
+    runner.capture_buckets(RequestTable(8, 128, 2048, PAGE).extend_batch([0], [[9]]))
+    compiled = _decode_graphs(served)
+    rows = list(range(8))
+    with pytest.warns(UserWarning, match="8 rows exceeds the largest captured bucket 4: running eagerly"):
+        got = runner(tables[0].extend_batch(rows, [[11]] * 8))
+    batch = tables[1].extend_batch(rows, [[11]] * 8)
+    torch.testing.assert_close(got, reference(*batch.args(), host_metadata=batch.host), atol=1e-5, rtol=1e-5)
+    assert _decode_graphs(served) == compiled
+    assert sorted(key[0] for key in runner.captured) == [1, 2, 4]
+
+
 def test_flashinfer_captures_every_bucket_from_one_compile_with_a_plan_per_bucket():
     """FlashInfer's plans are sized by the step: one compiled graph, a plan per bucket, each
     planned again for its step's lengths before every replay."""
