@@ -27,5 +27,6 @@ def test_serve_warmup_smoke_captures_every_size_from_few_compiles(tmp_path):
         assert row["capture_seconds"] > 0 and row["step_seconds"] > 0
     assert rows[0]["graphs_compiled"] >= 1 and rows[1]["graphs_compiled"] == 0 and rows[3]["graphs_compiled"] == 0
     assert run["recompiles"] == 0  # a size of 1 too, from the graph compiled at the largest size
+    assert run["failures"] == []
     assert run["compile_seconds"] == rows[0]["capture_seconds"] and run["warm_compile_seconds"] > 0
     assert run["ready_seconds"] >= sum(r["capture_seconds"] for r in rows)
