@@ -26,12 +26,12 @@ from dcp_compile.runtime.kv_pool import MLAKVPool, check_cache_dtype
 from dcp_compile.runtime.parallel import ParallelState
 
 
-
 def per_head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """[T, H, K] by [H, K, N] -> [T, H, N], each head's rows by its own matrix. bmm, not einsum:
     einsum guards that T is not 1 (its broadcasting rule), so a graph symbolic in the batch would
     still compile a step of one token apart."""
     return torch.bmm(x.transpose(0, 1), weight).transpose(0, 1)
+
 
 class WeightFactory:
     """Deterministic full-size weights, sliced for one TP rank. On the meta device only shapes

@@ -98,3 +98,7 @@ def test_npu_graph_replays_match_dcp_size_one(case, npu_scenario_results):
     check_matches_dcp_size_one(scenario, result)
     assert result["graph_replays"] == scenario.steps  # every decode / verify step replayed a graph
     assert result["device_graphs_captured"] == 1  # one bucket, one strategy: captured once, replayed after
+    # A replayed step reads nothing back from the device, and every op of its run is one torch_npu
+    # runs on the device (the emulator's op coverage and sync count: docs/ascend.md §16, §17).
+    assert result["host_syncs_per_step"] == 0
+    assert result["ops_off_device"] == []

@@ -1,7 +1,7 @@
 """One compile for every batch bucket: `DCPModel.compiled(strategy, symbolic=True)` under a
 GraphRunner captures each bucket's graph from one compiled graph (a size of 1 too, where torch has
-size-oblivious sizes and the largest bucket compiles first), on the back ends whose graphs may be symbolic (Lowering.static_shapes); every replay
-equals the same model's eager step."""
+size-oblivious sizes and the largest bucket compiles first), on the back ends whose graphs may be
+symbolic (Lowering.static_shapes); every replay equals the same model's eager step."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import dcp_compile
+from dcp_compile import shapes
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
-from dcp_compile import shapes
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.graph_runner import GraphRunner
 from dcp_compile.testing.graphs import RerunGraphs

@@ -39,7 +39,7 @@ class ProjectionSite:
     node: fx.Node
     kind: str
     """'linear' (x [..., K] by weight [N, K]) or 'heads' (x [T, H, K] by weight [H, K, N])."""
-    operands: tuple = ()
+    operands: tuple
     """The product's (x, weight) nodes."""
     replaced: tuple = ()
     """Nodes the swap leaves unused (a bmm form's inner transpose and bmm)."""
