@@ -13,10 +13,11 @@ from dcp_compile.config import DCPConfig
 from dcp_compile.debug.dump import TextDump, env_folder, writable_folder
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.passes import PassConfig, PassManager, PassReport, default_passes
-from dcp_compile.passes.cache_use import bind_pool, check_cache_use
+from dcp_compile import regions
+from dcp_compile.passes.cache_use import bind_pool, bind_region_pool, check_cache_use, pool_inputs
 from dcp_compile.passes.fuse_projections import bind_weights, finish_fusion
 from dcp_compile.passes.sites import count_cache_views, count_mla_sites
-from dcp_compile.runtime.host_inputs import HostSlot
+from dcp_compile.runtime.host_inputs import BATCH_INPUT, HostSlot
 from dcp_compile.runtime.parallel import ParallelState
 
 log = logging.getLogger("dcp_compile")
@@ -76,14 +77,22 @@ class DCPBackend:
         self.reports: list[PassReport] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
+        found = regions.find_regions(gm)
         if self.pool is not None:
-            check_cache_use(gm.graph, example_inputs, [self.pool.cache(i) for i in range(self.pool.num_layers)],
-                            front_end=bool(self.front_end))
-        if self.config.dcp_size > 1 and count_mla_sites(gm.graph) + count_cache_views(gm.graph) == 0:
+            check_cache_use(gm.graph, example_inputs, self._caches(), front_end=bool(self.front_end), regions=found)
+        outside = count_mla_sites(gm.graph) + count_cache_views(gm.graph)
+        inside = sum(count_mla_sites(r.module.graph) + count_cache_views(r.module.graph) for r in found)
+        if self.config.dcp_size > 1 and outside + inside == 0:
             raise ValueError(
                 "the captured graph has no MLA site (dcp::mla_attention): DCP has nothing to shard. "
                 "Write attention with dcp_compile.ops.mla_kv_write / mla_attention."
             )
+        if inside:
+            if outside:
+                raise NotImplementedError(
+                    f"the captured graph has {outside} MLA site(s) outside its compile regions and {inside} inside: "
+                    "put every MLA layer in a region (torch.compiler.nested_compile_region) or none")
+            return self._compile_regions(gm, example_inputs)
         # Dynamo reads its graph's placeholders after this call, and a lowering may add inputs.
         gm = _own_graph(gm)
         if self.pool is not None:
@@ -104,5 +113,53 @@ class DCPBackend:
 
         def run(*args):
             return compiled(*args, *slot.feed(feed))
+
+        return run
+
+    def _caches(self) -> list:
+        return [self.pool.cache(i) for i in range(self.pool.num_layers)]
+
+    def _compile_regions(self, gm: fx.GraphModule, example_inputs):
+        """The passes, the lowering and the inner compiler once per compile region
+        (dcp_compile/regions.py); the graph around the regions runs as FX code."""
+        gm = _own_graph(gm)
+        bind_weights(gm, example_inputs)  # marks the layers' weights read: nothing fuses them later
+        pool_nodes = pool_inputs(gm.graph, example_inputs, self._caches()) if self.pool is not None else {}
+        inner = _inner_compiler(self.config, self.lowering)
+        records, feeds, lowered = [], [], {}
+        for region in map(regions.own_region, regions.find_regions(gm)):
+            if self.pool is not None:
+                bind_region_pool(region, self.pool, pool_nodes)
+            bind_weights(region.module, [])  # its weights differ per call: none to fuse
+            captured = len(region.placeholders())
+            records += self.manager.run(region.module).records
+            feed = self.lowering.host_feed(region.module, self.parallel.dcp_rank)
+            inputs = regions.examples(region)[:captured]
+            host_inputs = []
+            if feed is not None:
+                self.host_slot.feed(feed)
+                host_inputs = regions.add_outer_inputs(
+                    gm, [f"{region.name}_host_{i}" for i in range(len(feed.examples()))], feed.examples())
+                inputs += feed.examples()
+                feeds.append((region, feed))
+            compiled = inner(region.module, inputs)
+            finish_fusion(region.module)
+            regions.replace_calls(gm, region, compiled, host_inputs)
+            lowered[regions.module_name(region)] = region
+        for region, feed in feeds:
+            holders = region.placeholders()
+            feed.read_elsewhere = frozenset(holders[i].meta[BATCH_INPUT] for i in range(len(region.calls[0].args))
+                                            if i < len(holders) and BATCH_INPUT in holders[i].meta
+                                            and regions.read_outside(region, i, lowered))
+        gm.recompile()
+        report = PassReport(records)
+        self.reports.append(report)
+        log.info("dcp_compile graph %d (%d compile regions): %s", len(self.reports) - 1, len(lowered), report.summary())
+        if not feeds:
+            return gm.forward
+        slot, step = self.host_slot, gm.forward
+
+        def run(*args):
+            return step(*args, *(value for _, feed in feeds for value in slot.feed(feed)))
 
         return run

@@ -80,6 +80,9 @@ class Scenario(Workload):
     graphs: bool = False
     """Replay every decode and verify step from captured device graphs (GraphRunner: CUDA graphs,
     NPU graphs); prefill and extend chunks run eagerly."""
+    regions: bool = False
+    """The DCP model's decoder layers are compile regions (MLAModel(regions=True)): its passes and
+    inner compile run once per kind of layer. The dcp_size 1 baseline has none."""
 
     @property
     def device_type(self) -> str:
@@ -349,7 +352,7 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         if scenario.checkpoint is not None:
             model = load_pretrained(scenario.checkpoint, num_layers=scenario.layers, **common)
         else:
-            model = MLAModel(cfg, seed=scenario.seed, **common)
+            model = MLAModel(cfg, seed=scenario.seed, regions=scenario.regions and dcp_size > 1, **common)
         options = dict(scenario.options) if dcp_size > 1 else {}  # the baseline keeps its back end's defaults
         return api.apply(model, dcp_size, interleave=scenario.interleave if dcp_size > 1 else 1, **options,
                          debug_checks=scenario.debug_checks, attention_strategy=scenario.attention_strategy,

@@ -111,7 +111,9 @@ class MLAAttention(nn.Module):
         self.w_uv = weights.make(f"{prefix}.w_uv", (H, R, cfg.v_head_dim), R, 0, **tp)
         self.o_proj = weights.make(f"{prefix}.o_proj", (cfg.hidden_size, H * cfg.v_head_dim), H * cfg.v_head_dim, 1, **tp)
 
-    def forward(self, x, positions, q_seq_ids, out_loc, req_to_token, seq_lens):
+    def forward(self, x, cache, positions, q_seq_ids, out_loc, req_to_token, seq_lens):
+        """cache: this layer's buffer of the KV pool (self.pool.cache(self.mla_index)), passed in
+        so that every layer's code is the same (a compile region serves them all)."""
         cfg, T = self.cfg, x.shape[0]
         if cfg.q_lora_rank:
             q = F.linear(self.q_a_norm(F.linear(x, self.q_a)), self.q_b)
@@ -125,7 +127,6 @@ class MLAAttention(nn.Module):
         k_rope = apply_rope(kv[:, cfg.kv_lora_rank :], positions, self.rope_inv_freq, self.rope_scale)
         q_latent = per_head_matmul(q_nope, self.w_uk)
 
-        cache = self.pool.cache(self.mla_index)
         ops.mla_kv_write(cache, latent, k_rope, out_loc)
         o_latent = ops.mla_attention(q_latent, q_rope.contiguous(), cache, req_to_token, seq_lens, q_seq_ids, positions, self.sm_scale)
 
@@ -193,13 +194,22 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg, f"{prefix}.mlp", par, weights)
 
-    def forward(self, h, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots):
+    def forward(self, h, cache, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots):
+        """cache: the layer's KV pool buffer (None for a linear-attention layer)."""
         x = self.input_norm(h)
         if self.kind == "mla":
-            h = h + self.attn(x, positions, q_seq_ids, out_loc, req_to_token, seq_lens)
+            h = h + self.attn(x, cache, positions, q_seq_ids, out_loc, req_to_token, seq_lens)
         else:
             h = h + self.attn(x, q_seq_ids, state_slots, positions)
         return h + self.mlp(self.post_norm(h))
+
+
+@torch.compiler.nested_compile_region
+def _layer_region(layer: nn.Module, *args):
+    """A decoder layer as one compile region: dynamo traces each kind of layer once and reuses
+    its graph for the others (a `torch.ops.higher_order.invoke_subgraph` per layer), and
+    dcp_compile's passes and the inner compiler see that graph once."""
+    return layer(*args)
 
 
 class MLAModel(nn.Module):
@@ -207,10 +217,14 @@ class MLAModel(nn.Module):
 
     def __init__(self, cfg: MLAModelConfig, kv_capacity: int, max_requests: int = 16,
                  par: ParallelState | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0, page_size: int = 1, weights=None):
+                 device: torch.device | str = "cpu", seed: int = 0, page_size: int = 1, weights=None,
+                 regions: bool = False):
         """weights: the weight source (default: WeightFactory(seed, device, dtype), random
-        weights); dcp_compile.models.load_pretrained passes a checkpoint's."""
+        weights); dcp_compile.models.load_pretrained passes a checkpoint's. regions: each decoder
+        layer is a compile region (torch.compiler.nested_compile_region), so that compiling a
+        step costs one layer of each kind, not every layer."""
         super().__init__()
+        self.regions = regions
         check_cache_dtype(dtype)
         par = par or ParallelState()
         self.cfg, self.parallel = cfg, par
@@ -239,5 +253,7 @@ class MLAModel(nn.Module):
     def forward(self, input_ids, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots, logits_index):
         h = F.embedding(input_ids, self.embed)
         for layer in self.layers:
-            h = layer(h, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots)
+            cache = self.kv_pool.cache(layer.attn.mla_index) if layer.kind == "mla" else None
+            args = (h, cache, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots)
+            h = _layer_region(layer, *args) if self.regions else layer(*args)
         return F.linear(self.norm(h)[logits_index], self.lm_head).float()

@@ -67,12 +67,47 @@ def bind_pool(gm: fx.GraphModule, example_inputs, pool) -> None:
     gm.meta[POOL_INPUTS] = (pool, {node.name: layer for node, layer in pool_inputs(gm.graph, example_inputs, caches).items()})
 
 
-def check_cache_use(graph: fx.Graph, example_inputs, caches: list[torch.Tensor], front_end: bool = False) -> None:
-    """front_end: a front end's passes run first (FRONT_END_READS are then allowed)."""
-    pool_nodes = set(pool_inputs(graph, example_inputs, caches))
+def region_pool_inputs(region, pool_nodes: dict[fx.Node, int]) -> dict[fx.Node, list[int]]:
+    """A compile region's placeholders (dcp_compile/regions.py) that its calls pass the pool's
+    caches, with each call's layer. A placeholder is a cache in every call or in none."""
+    found = {}
+    for index, holder in enumerate(region.placeholders()):
+        layers = [pool_nodes.get(region.operand(call, index)) for call in region.calls]
+        if all(layer is None for layer in layers):
+            continue
+        if any(layer is None for layer in layers):
+            raise CacheMisuseError(
+                f"compile region {region.name}'s input {holder.name} is a KV pool cache in some of its calls and "
+                "not in others: a region's code must get its layer's cache in every call"
+            )
+        found[holder] = layers
+    return found
+
+
+def bind_region_pool(region, pool, pool_nodes: dict[fx.Node, int]) -> None:
+    """POOL_INPUTS of a region's graph: its cache placeholders, as its first call's layers (a
+    lowering that reads one layer's buffers itself cannot serve a region: lowering.kv_layout)."""
+    region.module.meta[POOL_INPUTS] = (pool, {node.name: layers[0] for node, layers in
+                                              region_pool_inputs(region, pool_nodes).items()})
+
+
+def check_cache_use(graph: fx.Graph, example_inputs, caches: list[torch.Tensor], front_end: bool = False,
+                    regions=()) -> None:
+    """front_end: a front end's passes run first (FRONT_END_READS are then allowed). regions: the
+    graph's compile regions (dcp_compile/regions.py), whose calls may pass the caches on: their
+    graphs are held to the same rule."""
+    pool_nodes = pool_inputs(graph, example_inputs, caches)
     readers = CANONICAL + FRONT_END_READS if front_end else CANONICAL
+    _check_graph(graph, set(pool_nodes), readers, passes_on={c for r in regions for c in r.calls})
+    for region in regions:
+        _check_graph(region.module.graph, set(region_pool_inputs(region, pool_nodes)), readers, passes_on=set())
+
+
+def _check_graph(graph: fx.Graph, pool_nodes: set, readers, passes_on: set) -> None:
     for node in pool_nodes:
         for user in node.users:
+            if user in passes_on:
+                continue
             if user.op != "call_function" or user.target not in readers:
                 raise CacheMisuseError(
                     f"the KV pool's cache is used by {op_name(user)} at {source_line(user)}: only "

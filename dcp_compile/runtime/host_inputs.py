@@ -224,6 +224,9 @@ class HostFeed:
         """The host metadata the inputs were last fed from."""
         self.h2d_bytes = 0
         """Bytes the last values() call copied host-to-device (the block tables)."""
+        self.read_elsewhere: frozenset[str] = frozenset()
+        """Batch inputs the step reads outside this graph (the graph is a compile region's and
+        the code around it reads them, dcp_compile/regions.py): never reported unread."""
 
     def unread_inputs(self) -> frozenset[str]:
         """The batch inputs (ForwardBatch field names) whose placeholders, marked
@@ -233,7 +236,7 @@ class HostFeed:
         replay. Unmarked placeholders are taken as read."""
         return frozenset(n.meta[BATCH_INPUT] for n in self.graph.nodes
                          if n.op == "placeholder" and BATCH_INPUT in n.meta
-                         and all(user.meta.get(CAPTURE_SKIPPED) for user in n.users))
+                         and all(user.meta.get(CAPTURE_SKIPPED) for user in n.users)) - self.read_elsewhere
 
     def rank_view(self, host: HostMetadata | None) -> RankHostMetadata:
         if host is None:

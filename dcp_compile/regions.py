@@ -1,0 +1,148 @@
+"""Compile regions: a step whose repeated layers dynamo captured as calls of one subgraph
+(`torch.ops.higher_order.invoke_subgraph`, from `torch.compiler.nested_compile_region`; the
+reference model's `MLAModel(regions=True)`) is compiled one region at a time.
+
+    before: h1 = invoke_subgraph(layer_graph, "subgraph_0", h0, w_0..., cache_0, seq_lens, ...)[0]
+            h2 = invoke_subgraph(layer_graph, "subgraph_0", h1, w_1..., cache_1, seq_lens, ...)[0]
+    after:  h1 = region_0(h0, w_0..., cache_0, seq_lens, ..., *host_values)[0]
+            h2 = region_0(h1, w_1..., cache_1, seq_lens, ..., *host_values)[0]
+
+`region_0` is the subgraph after the DCP passes and the kernel back end's lowering, compiled by
+the inner compiler once for every layer that calls it, so the passes' and the inner compiler's
+time stop growing with the layer count. What is left of the step around the regions (the
+embedding, the last norm, the logits) runs as the captured FX code, op by op. A region's host-fed
+inputs (runtime/host_inputs.py) are fed once per step and passed to each of its calls.
+
+Why not inductor over the whole graph with the regions inside: AOTAutograd functionalizes an
+invoke_subgraph's body itself and refuses a custom op that writes its input (the KV writes),
+torch 2.11 to 2.13.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+
+
+@dataclass
+class Region:
+    """One distinct subgraph and the nodes that call it, in graph order."""
+
+    name: str
+    module: fx.GraphModule
+    calls: list[fx.Node] = field(default_factory=list)
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.module.graph.nodes if n.op == "placeholder"]
+
+    def operand(self, call: fx.Node, index: int):
+        """A call's operand for placeholder `index` (an invoke_subgraph's, or the compiled
+        region's call that replaced it)."""
+        return call.args[index if call.op == "call_module" else 2 + index]
+
+    def common_operands(self) -> dict[int, object]:
+        """{placeholder index: the outer value} for the operands every call passes alike (the
+        batch's metadata): what a call's subgraph may read as the same value in every layer."""
+        first = self.calls[0]
+        return {i: self.operand(first, i) for i in range(len(self.placeholders()))
+                if all(self.operand(c, i) is self.operand(first, i) for c in self.calls)}
+
+
+def find_regions(gm: fx.GraphModule) -> list[Region]:
+    """The graph's compile regions, in the order of their first call."""
+    regions: dict[str, Region] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is INVOKE_SUBGRAPH:
+            name = node.args[0].target
+            if name not in regions:
+                regions[name] = Region(name, getattr(gm, name))
+            regions[name].calls.append(node)
+    return list(regions.values())
+
+
+def own_region(region: Region) -> Region:
+    """The region with a copy of its subgraph (nodes and meta) that passes may rewrite."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(region.module.graph, {}))
+    return Region(region.name, fx.GraphModule(region.module, graph), region.calls)
+
+
+def examples(region: Region) -> list:
+    """The region's inputs as dynamo traced them (fake tensors, symbolic where the step is)."""
+    return [n.meta.get("val", n.meta.get("example_value")) for n in region.placeholders()]
+
+
+def module_name(region: Region) -> str:
+    """The outer graph's submodule that runs the compiled region."""
+    return f"dcp_region_{region.name}"
+
+
+class CompiledRegion(torch.nn.Module):
+    """A compiled region in the outer graph: its calls pass their operands and then the region's
+    host-fed values of the step (extra placeholders of the outer graph)."""
+
+    def __init__(self, compiled):
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args):
+        return self.compiled(*args)
+
+
+def replace_calls(gm: fx.GraphModule, region: Region, compiled, host_inputs: list[fx.Node]) -> None:
+    """Every call of `region` in gm becomes a call of `compiled` (a submodule of gm), with
+    `host_inputs` (outer placeholders) after its operands."""
+    target = module_name(region)
+    gm.add_submodule(target, CompiledRegion(compiled))
+    replaced = []
+    for call in region.calls:
+        with gm.graph.inserting_before(call):
+            new = gm.graph.call_module(target, (*call.args[2:], *host_inputs))
+        new.meta.update(call.meta)
+        call.replace_all_uses_with(new)
+        gm.graph.erase_node(call)
+        replaced.append(new)
+    region.calls = replaced
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == region.name and not n.users]:
+        gm.graph.erase_node(node)
+
+
+def add_outer_inputs(gm: fx.GraphModule, names: list[str], vals: list) -> list[fx.Node]:
+    """New placeholders after the outer graph's last one (they take the host-fed values the
+    wrapper appends to every call)."""
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    made = []
+    for name, val in zip(names, vals):
+        with gm.graph.inserting_after(last):
+            node = gm.graph.placeholder(name)
+        node.meta["val"] = val
+        made.append(node)
+        last = node
+    return made
+
+
+def read_outside(region: Region, index: int, lowered: dict[str, Region]) -> bool:
+    """Whether the value the region's calls pass as placeholder `index` is read anywhere but in
+    this region: by the outer graph's own nodes, or by another region that reads its placeholder.
+    lowered: every region of the step after its lowering, by its module's name in the outer graph
+    (call it after replace_calls)."""
+    values = {region.operand(call, index) for call in region.calls}
+    if len(values) != 1:
+        return True  # a per-layer value, not the batch's
+    value = values.pop()
+    if not isinstance(value, fx.Node):
+        return False
+    for user in value.users:
+        other = lowered.get(str(user.target)) if user.op == "call_module" else None
+        if other is None:
+            return True  # the outer graph's own read
+        if other is region:
+            continue
+        holders = other.placeholders()
+        if any(holders[i].users for i, arg in enumerate(user.args) if arg is value and i < len(holders)):
+            return True
+    return False
