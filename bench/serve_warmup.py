@@ -67,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--draft", type=int, default=7)
     p.add_argument("--layers", type=int, default=61)
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--regions", action="store_true",
+                   help="each decoder layer a compile region (MLAModel(regions=True)): passes and inner compile once")
     p.add_argument("--no-warm", action="store_true", help="skip the second process's warm compile")
     p.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--smoke", action="store_true", help="CPU, 2 tiny layers, torch kernels: checks the script")
@@ -91,7 +93,8 @@ def build(args, device):
     cfg = model_config(args)
     largest = max(args.decode_sizes + args.verify_sizes)
     model = MLAModel(cfg, kv_capacity=largest * args.context + 2 * page_size(1), max_requests=largest,
-                     par=parallel.build(1, 1), dtype=torch.bfloat16, device=device, page_size=page_size(1))
+                     par=parallel.build(1, 1), dtype=torch.bfloat16, device=device, page_size=page_size(1),
+                     regions=args.regions)
     compiled = dcp_compile.apply(model, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=args.kernels,
                                  inner_compile=args.inner_compile)
     fill_random(model.kv_pool.cache(0))
@@ -151,6 +154,8 @@ def warm_compile(args) -> float:
                "--kernels", args.kernels, "--inner-compile", args.inner_compile, "--context", str(args.context),
                "--layers", str(args.layers), "--decode-sizes", ",".join(map(str, args.decode_sizes)),
                "--verify-sizes", ",".join(map(str, args.verify_sizes)), "--draft", str(args.draft)]
+    if args.regions:
+        command.append("--regions")
     if args.smoke:
         command.append("--smoke")
     env = dict(os.environ, MASTER_PORT=str(int(os.environ.get("MASTER_PORT", "29533")) + 1))
@@ -165,7 +170,7 @@ def run(args, device, result: dict) -> None:
                                  "heads": cfg.num_heads, "kv_lora_rank": cfg.kv_lora_rank,
                                  "rope_dim": cfg.qk_rope_head_dim, "dtype": "bfloat16", "context": args.context,
                                  "draft": args.draft},
-                         kernels=args.kernels, inner_compile=args.inner_compile,
+                         kernels=args.kernels, inner_compile=args.inner_compile, regions=args.regions,
                          inductor_cache_dir_set=bool(os.environ.get("TORCHINDUCTOR_CACHE_DIR")))
     started = time.perf_counter()
     recompiles, failures = 0, []

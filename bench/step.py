@@ -68,6 +68,8 @@ def parse_args(argv=None):
                    help="steps through compiled('gather-q', symbolic=True): one compile for every batch shape (each "
                         "row's compile_seconds is then its shape's first call on the shared graph)")
     p.add_argument("--draft", type=int, default=7)
+    p.add_argument("--regions", action="store_true",
+                   help="each decoder layer a compile region (MLAModel(regions=True)): passes and inner compile once per kind of layer")
     p.add_argument("--layers", type=int, default=61)
     p.add_argument("--replays", type=int, default=6)
     p.add_argument("--repeats", type=int, default=2, help="steps per captured graph")
@@ -140,7 +142,7 @@ def skinny_of(config) -> str:
 
 def build(args, cfg, lowering: str, inner: str, skinny: str, device, tp):
     model = MLAModel(cfg, kv_capacity=capacity(args), max_requests=max(args.decode_batches + args.verify_batches), par=tp,
-                     dtype=torch.bfloat16, device=device, page_size=page_size(1))
+                     dtype=torch.bfloat16, device=device, page_size=page_size(1), regions=args.regions)
     # skinny_matmuls is an option of the back ends that run the Triton kernels (TritonOptions)
     options = {"skinny_matmuls": skinny} if lowering in registry.option_owners("skinny_matmuls") else {}
     compiled = dcp_compile.apply(model, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=lowering,
@@ -217,7 +219,8 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
     for k, batch, context in cases(args):
         row = {"lowering": lowering, "inner_compile": inner, "context": context, "batch": batch, "k": k,
                "layers": cfg.num_layers, "fuse_projections": config.fuse_projections,
-               "skinny_matmuls": resolved, "symbolic": args.symbolic}
+               "skinny_matmuls": resolved, "symbolic": args.symbolic,
+               "regions": args.regions}
         try:
             row["compile_seconds"] = run_case(compiled, batch, context, k, width, device,
                                               lambda fn: timed_first_call(fn, device), args.symbolic)
