@@ -89,7 +89,7 @@ class DCPBackend:
             )
         if inside:
             if outside:
-                raise NotImplementedError(
+                raise ValueError(
                     f"the captured graph has {outside} MLA site(s) outside its compile regions and {inside} inside: "
                     "put every MLA layer in a region (torch.compiler.nested_compile_region) or none")
             return self._compile_regions(gm, example_inputs)
@@ -131,10 +131,10 @@ class DCPBackend:
             if self.pool is not None:
                 bind_region_pool(region, self.pool, pool_nodes)
             bind_weights(region.module, [])  # its weights differ per call: none to fuse
-            captured = len(region.placeholders())
+            captured, common = region.placeholders(), region.common_operands()
             records += self.manager.run(region.module).records
             feed = self.lowering.host_feed(region.module, self.parallel.dcp_rank)
-            inputs = regions.examples(region)[:captured]
+            inputs = regions.examples(region)[:len(captured)]
             host_inputs = []
             if feed is not None:
                 self.host_slot.feed(feed)
@@ -142,9 +142,13 @@ class DCPBackend:
                     gm, [f"{region.name}_host_{i}" for i in range(len(feed.examples()))], feed.examples())
                 inputs += feed.examples()
                 feeds.append((region, feed))
+            invariant = {captured[i]: value for i, value in common.items() if isinstance(value, fx.Node)}
+            invariant.update(zip([h for h in region.placeholders() if h not in captured], host_inputs))
+            hoisted = regions.hoist_invariants(gm, region, invariant)
+            inputs += regions.examples(region)[len(inputs):]
             compiled = inner(region.module, inputs)
             finish_fusion(region.module)
-            regions.replace_calls(gm, region, compiled, host_inputs)
+            regions.replace_calls(gm, region, compiled, host_inputs + hoisted)
             lowered[regions.module_name(region)] = region
         for region, feed in feeds:
             holders = region.placeholders()

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from dcp_compile.passes.graph_utils import fake_value, written_arguments
+
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 
@@ -146,3 +148,47 @@ def read_outside(region: Region, index: int, lowered: dict[str, Region]) -> bool
         if any(holders[i].users for i, arg in enumerate(user.args) if arg is value and i < len(holders)):
             return True
     return False
+
+
+def _movable(node: fx.Node) -> bool:
+    """A node that may run once before the calls instead of in each: it writes nothing, and is
+    neither a collective (ranks must issue theirs in one order) nor a nested region."""
+    if node.op not in ("call_function", "call_method") or written_arguments(node):
+        return False
+    name = getattr(node.target, "__module__", "") or ""
+    return "c10d" not in str(node.target) and "higher_order" not in str(node.target) and "distributed" not in name
+
+
+def hoist_invariants(gm: fx.GraphModule, region: Region, invariant: dict[fx.Node, fx.Node]) -> list[fx.Node]:
+    """Move the region's nodes whose value is the same in every call (they read only `invariant`
+    placeholders: {placeholder: the outer node every call passes}, and write nothing) into the
+    outer graph, before the region's first call: the batch's guard and local metadata then run
+    once a step, not once a layer. The tensors the region still reads from them become placeholders
+    after its last one; returns the outer nodes the calls must pass for them, in that order."""
+    graph = region.module.graph
+    outside = set(invariant)
+    for node in graph.nodes:
+        if _movable(node) and all(i in outside for i in node.all_input_nodes):
+            outside.add(node)
+    while True:  # what crosses into the region must be a tensor (a compiled region's input)
+        stuck = [n for n in outside if n not in invariant and not isinstance(fake_value(n), torch.Tensor)
+                 and any(u not in outside for u in n.users)]
+        if not stuck:
+            break
+        outside.difference_update(stuck)
+    moved = [n for n in graph.nodes if n in outside and n not in invariant]
+    outer = dict(invariant)
+    for node in moved:
+        with gm.graph.inserting_before(region.calls[0]):
+            outer[node] = gm.graph.node_copy(node, outer.__getitem__)
+    crossing = [n for n in moved if any(u not in outside for u in n.users)]
+    last = region.placeholders()[-1]
+    for node in crossing:
+        with graph.inserting_after(last):
+            last = graph.placeholder(f"hoisted_{node.name}")
+        last.meta.update(node.meta)
+        node.replace_all_uses_with(last, delete_user_cb=lambda user: user not in outside)
+    for node in reversed(moved):
+        graph.erase_node(node)
+    region.module.recompile()
+    return [outer[n] for n in crossing]

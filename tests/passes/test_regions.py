@@ -1,0 +1,123 @@
+"""Compile regions (dcp_compile/regions.py) in one process: a model whose decoder layers are
+nested_compile_region calls runs the passes and the lowering once per kind of layer and gives the
+logits of the same model without regions; the cache rule holds inside a region; a step's batch
+inputs that a graph runner may skip are the same with and without regions. DCP 2 against
+dcp_size 1: tests/distributed/test_regions.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcp_compile
+from dcp_compile import regions
+from dcp_compile.models import mla
+from dcp_compile.models.config import preset
+from dcp_compile.models.mla import MLAModel
+from dcp_compile import ops
+from dcp_compile.passes.cache_use import CacheMisuseError, check_cache_use
+from dcp_compile.runtime.batch import RequestTable
+from dcp_compile.runtime.graph_runner import unread_inputs
+
+PAGE = 4
+PROMPTS = [[1], [2] * 9, [3] * 30, [4] * 2, [5] * 17]
+DECODE_ROWS = [[0, 1, 2, 3, 4], [1, 3], [4], [0, 2, 3]]
+
+
+def _models(kernels: str, inner: str = "eager"):
+    """The tiny hybrid model (three MLA layers, one linear-attention layer) with and without regions."""
+    return [dcp_compile.apply(MLAModel(preset("tiny"), 2048, max_requests=5, page_size=PAGE, regions=on), 1,
+                              kernels=kernels, inner_compile=inner) for on in (True, False)]
+
+
+def _reports(model):
+    return [r for backend in dcp_compile.state(model).backends.values() for r in backend.reports]
+
+
+@pytest.mark.parametrize("kernels,inner", [("torch", "eager"), ("torch", "inductor"), ("flashinfer", "eager")])
+def test_a_regional_model_gives_the_plain_models_logits_from_one_lowering_of_its_layer(kernels, inner):
+    regional, plain = _models(kernels, inner)
+    tables = [RequestTable(5, 64, 2048, PAGE) for _ in range(2)]
+    outputs = []
+    for model, table in zip((regional, plain), tables):
+        prefill = table.extend_batch(list(range(5)), PROMPTS)
+        outputs.append([model(*prefill.args(), host_metadata=prefill.host)])
+        for step, rows in enumerate(DECODE_ROWS):
+            batch = table.extend_batch(rows, [[10 + step]] * len(rows))
+            outputs[-1].append(model(*batch.args(), host_metadata=batch.host))
+    for got, want in zip(*outputs):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    attention = "lower_flashinfer_attention" if kernels == "flashinfer" else "guard_batch"
+    # In each graph (the prefill's, the decode steps'), the three MLA layers share one lowering.
+    assert len(_reports(regional)) == len(_reports(plain)) >= 1
+    assert {r.sites(attention) for r in _reports(regional)} == {1}
+    if kernels == "flashinfer":
+        assert {r.sites(attention) for r in _reports(plain)} == {3}
+
+
+def test_the_inputs_a_runner_may_skip_are_the_plain_steps(npu_emulator):
+    """The NPU lowering reads the page table and lengths from the host: its graphs leave them
+    unread. The linear-attention layer's region and the code around the regions read the others,
+    so a runner must copy those with regions as without."""
+    skipped = []
+    for on in (True, False):
+        model = dcp_compile.apply(MLAModel(preset("tiny-512"), 2048, max_requests=5, page_size=16,
+                                           dtype=torch.bfloat16, device=npu_emulator, regions=on), 1, kernels="npu")
+        prefill = RequestTable(5, 64, 2048, 16).extend_batch(list(range(5)), PROMPTS)
+        model(*prefill.to(npu_emulator).args(), host_metadata=prefill.host)
+        skipped.append(unread_inputs(dcp_compile.state(model).host_slot.fed))
+    assert skipped[0] == skipped[1] and "req_to_token" in skipped[0] and "positions" not in skipped[0], skipped
+
+
+def test_mla_layers_inside_and_outside_regions_are_refused(monkeypatch):
+    model = MLAModel(preset("tiny"), 2048, max_requests=5, page_size=PAGE, regions=True)
+    region = mla._layer_region
+    monkeypatch.setattr(mla, "_layer_region", lambda layer, *args: layer(*args) if layer is model.layers[-1]
+                        else region(layer, *args))
+    applied = dcp_compile.apply(model, 1, kernels="torch", inner_compile="eager")
+    prefill = RequestTable(5, 64, 2048, PAGE).extend_batch(list(range(5)), PROMPTS)
+    with pytest.raises(ValueError, match="outside its compile regions"):
+        applied(*prefill.args(), host_metadata=prefill.host)
+
+
+# --- the cache rule inside a region ---------------------------------------------------------------
+
+
+@torch.compiler.nested_compile_region
+def _writes(cache, latent, rope, loc):
+    ops.mla_kv_write(cache, latent, rope, loc)
+    return latent + 1
+
+
+@torch.compiler.nested_compile_region
+def _indexes(cache, latent, rope, loc):
+    cache[loc] = torch.cat([latent, rope], dim=-1)
+    return latent + 1
+
+
+def _check(layer, caches, operands):
+    """Capture `layer` called once per operand (cache or not) and run the cache rule over it."""
+    def step(latent, rope, loc, *tensors):
+        for tensor in tensors:
+            latent = layer(tensor, latent, rope, loc)
+        return latent
+
+    def backend(gm, example_inputs):
+        check_cache_use(gm.graph, example_inputs, caches, regions=regions.find_regions(gm))
+        return gm.forward
+
+    latent, rope, loc = torch.randn(2, 8), torch.randn(2, 4), torch.tensor([1, 2])
+    try:
+        torch.compile(step, backend=backend, fullgraph=True)(latent, rope, loc, *operands)
+    except torch._dynamo.exc.BackendCompilerFailed as exc:
+        raise exc.inner_exception from None
+
+
+def test_the_cache_rule_holds_inside_a_region():
+    torch._dynamo.reset()
+    caches = [torch.zeros(8, 12), torch.zeros(8, 12)]
+    _check(_writes, caches, caches)  # each layer's cache through the canonical write: allowed
+    with pytest.raises(CacheMisuseError, match="only dcp_compile.ops.mla_kv_write"):
+        _check(_indexes, caches, caches)
+    with pytest.raises(CacheMisuseError, match="in some of its calls and not in others"):
+        _check(_writes, caches, [caches[0], torch.zeros(8, 12)])
