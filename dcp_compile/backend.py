@@ -14,8 +14,9 @@ from dcp_compile.debug.dump import TextDump, env_folder, writable_folder
 from dcp_compile.lowering.base import Lowering
 from dcp_compile.passes import PassConfig, PassManager, PassReport, default_passes
 from dcp_compile import regions
-from dcp_compile.passes.cache_use import bind_pool, bind_region_pool, check_cache_use, pool_inputs
+from dcp_compile.passes.cache_use import PER_CALL_INPUTS, bind_pool, bind_region_pool, check_cache_use, pool_inputs
 from dcp_compile.passes.fuse_projections import bind_weights, finish_fusion
+from dcp_compile.passes.graph_utils import fake_value
 from dcp_compile.passes.sites import count_cache_views, count_mla_sites
 from dcp_compile.runtime.host_inputs import BATCH_INPUT, HostSlot
 from dcp_compile.runtime.parallel import ParallelState
@@ -131,24 +132,37 @@ class DCPBackend:
             if self.pool is not None:
                 bind_region_pool(region, self.pool, pool_nodes)
             bind_weights(region.module, [])  # its weights differ per call: none to fuse
-            captured, common = region.placeholders(), region.common_operands()
+            captured = {node: i for i, node in enumerate(region.placeholders())}
+            common = region.common_operands()
             records += self.manager.run(region.module).records
             feed = self.lowering.host_feed(region.module, self.parallel.dcp_rank)
-            inputs = regions.examples(region)[:len(captured)]
-            host_inputs = []
+            host = {}  # host-fed placeholder: (the outer placeholder, its example)
             if feed is not None:
                 self.host_slot.feed(feed)
-                host_inputs = regions.add_outer_inputs(
+                made = regions.add_outer_inputs(
                     gm, [f"{region.name}_host_{i}" for i in range(len(feed.examples()))], feed.examples())
-                inputs += feed.examples()
+                host = dict(zip(feed.placeholders, zip(made, feed.examples())))
                 feeds.append((region, feed))
-            invariant = {captured[i]: value for i, value in common.items() if isinstance(value, fx.Node)}
-            invariant.update(zip([h for h in region.placeholders() if h not in captured], host_inputs))
+            invariant = {node: common[i] for node, i in captured.items() if isinstance(common.get(i), fx.Node)}
+            invariant.update({node: outer for node, (outer, _) in host.items()})
             hoisted = regions.hoist_invariants(gm, region, invariant)
-            inputs += regions.examples(region)[len(inputs):]
+            per_call = region.module.meta.get(PER_CALL_INPUTS, {})
+            sources, inputs = [], []
+            for node in region.placeholders():
+                if node in captured:
+                    sources.append(captured[node])
+                elif node in host:
+                    sources.append(host[node][0])
+                elif node in hoisted:
+                    sources.append(hoisted[node])
+                elif node.name in per_call:
+                    sources.append(regions.per_call_attributes(gm, per_call[node.name], region.calls))
+                else:
+                    raise RuntimeError(f"compile region {region.name}: nothing feeds its input {node.name}")
+                inputs.append(host[node][1] if node in host else fake_value(node))
             compiled = inner(region.module, inputs)
             finish_fusion(region.module)
-            regions.replace_calls(gm, region, compiled, host_inputs + hoisted)
+            regions.replace_calls(gm, region, compiled, sources)
             lowered[regions.module_name(region)] = region
         for region, feed in feeds:
             holders = region.placeholders()

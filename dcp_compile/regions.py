@@ -4,8 +4,9 @@ reference model's `MLAModel(regions=True)`) is compiled one region at a time.
 
     before: h1 = invoke_subgraph(layer_graph, "subgraph_0", h0, w_0..., cache_0, seq_lens, ...)[0]
             h2 = invoke_subgraph(layer_graph, "subgraph_0", h1, w_1..., cache_1, seq_lens, ...)[0]
-    after:  h1 = region_0(h0, w_0..., cache_0, seq_lens, ..., *host_values)[0]
-            h2 = region_0(h1, w_1..., cache_1, seq_lens, ..., *host_values)[0]
+    after:  meta = guard and local metadata of (seq_lens, ...)      # hoisted: once a step
+            h1 = region_0(h0, w_0..., cache_0, seq_lens, ..., *host_values, *meta)[0]
+            h2 = region_0(h1, w_1..., cache_1, seq_lens, ..., *host_values, *meta)[0]
 
 `region_0` is the subgraph after the DCP passes and the kernel back end's lowering, compiled by
 the inner compiler once for every layer that calls it, so the passes' and the inner compiler's
@@ -95,15 +96,17 @@ class CompiledRegion(torch.nn.Module):
         return self.compiled(*args)
 
 
-def replace_calls(gm: fx.GraphModule, region: Region, compiled, host_inputs: list[fx.Node]) -> None:
-    """Every call of `region` in gm becomes a call of `compiled` (a submodule of gm), with
-    `host_inputs` (outer placeholders) after its operands."""
+def replace_calls(gm: fx.GraphModule, region: Region, compiled, sources: list) -> None:
+    """Every call of `region` in gm becomes a call of `compiled` (a submodule of gm). sources:
+    what each placeholder of the compiled region takes, in order: an int (the call's own operand
+    of that index), an outer node (the same in every call), or a list of outer nodes (one per call)."""
     target = module_name(region)
     gm.add_submodule(target, CompiledRegion(compiled))
     replaced = []
-    for call in region.calls:
+    for k, call in enumerate(region.calls):
+        args = [call.args[2 + s] if isinstance(s, int) else s[k] if isinstance(s, list) else s for s in sources]
         with gm.graph.inserting_before(call):
-            new = gm.graph.call_module(target, (*call.args[2:], *host_inputs))
+            new = gm.graph.call_module(target, tuple(args))
         new.meta.update(call.meta)
         call.replace_all_uses_with(new)
         gm.graph.erase_node(call)
@@ -111,6 +114,19 @@ def replace_calls(gm: fx.GraphModule, region: Region, compiled, host_inputs: lis
     region.calls = replaced
     for node in [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == region.name and not n.users]:
         gm.graph.erase_node(node)
+
+
+def per_call_attributes(gm: fx.GraphModule, tensors: list[torch.Tensor], calls: list[fx.Node]) -> list[fx.Node]:
+    """One get_attr node of gm per call, before it, reading that call's tensor (registered on gm
+    as a buffer, once per tensor)."""
+    made = []
+    for tensor, call in zip(tensors, calls):
+        name = f"dcp_region_tensor_{id(tensor)}"
+        if not hasattr(gm, name):
+            gm.register_buffer(name, tensor, persistent=False)
+        with gm.graph.inserting_before(call):
+            made.append(gm.graph.get_attr(name))
+    return made
 
 
 def add_outer_inputs(gm: fx.GraphModule, names: list[str], vals: list) -> list[fx.Node]:
@@ -159,12 +175,12 @@ def _movable(node: fx.Node) -> bool:
     return "c10d" not in str(node.target) and "higher_order" not in str(node.target) and "distributed" not in name
 
 
-def hoist_invariants(gm: fx.GraphModule, region: Region, invariant: dict[fx.Node, fx.Node]) -> list[fx.Node]:
+def hoist_invariants(gm: fx.GraphModule, region: Region, invariant: dict[fx.Node, fx.Node]) -> dict[fx.Node, fx.Node]:
     """Move the region's nodes whose value is the same in every call (they read only `invariant`
     placeholders: {placeholder: the outer node every call passes}, and write nothing) into the
     outer graph, before the region's first call: the batch's guard and local metadata then run
     once a step, not once a layer. The tensors the region still reads from them become placeholders
-    after its last one; returns the outer nodes the calls must pass for them, in that order."""
+    after its last one; returns {each of those placeholders: the outer node the calls pass it}."""
     graph = region.module.graph
     outside = set(invariant)
     for node in graph.nodes:
@@ -181,14 +197,15 @@ def hoist_invariants(gm: fx.GraphModule, region: Region, invariant: dict[fx.Node
     for node in moved:
         with gm.graph.inserting_before(region.calls[0]):
             outer[node] = gm.graph.node_copy(node, outer.__getitem__)
-    crossing = [n for n in moved if any(u not in outside for u in n.users)]
+    passed = {}
     last = region.placeholders()[-1]
-    for node in crossing:
+    for node in [n for n in moved if any(u not in outside for u in n.users)]:
         with graph.inserting_after(last):
             last = graph.placeholder(f"hoisted_{node.name}")
         last.meta.update(node.meta)
         node.replace_all_uses_with(last, delete_user_cb=lambda user: user not in outside)
+        passed[last] = outer[node]
     for node in reversed(moved):
         graph.erase_node(node)
     region.module.recompile()
-    return [outer[n] for n in crossing]
+    return passed

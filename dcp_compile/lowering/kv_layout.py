@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from dcp_compile.lowering.triton.ops import triton_op
 from dcp_compile.passes.base import GraphPass, PassConfig
-from dcp_compile.passes.cache_use import POOL_INPUTS
+from dcp_compile.passes.cache_use import PER_CALL_INPUTS, POOL_INPUTS, REGION_POOL_LAYERS
 from dcp_compile.passes.graph_utils import fake_mode_of, fake_value, op_name
 from dcp_compile.passes.verify import CAPTURED_MUTATIONS
 from dcp_compile.runtime.kv_pool import KVLayout
@@ -97,6 +97,8 @@ class SplitKVCache(GraphPass):
     @staticmethod
     def _parts(gm: fx.GraphModule, node: fx.Node, pool, layer: int) -> tuple[fx.Node, fx.Node]:
         mode = fake_mode_of(gm.graph)
+        if REGION_POOL_LAYERS in gm.meta:
+            return SplitKVCache._region_parts(gm, node, pool, gm.meta[REGION_POOL_LAYERS][node.name], mode)
         made = []
         for part, tensor in zip(("latent", "rope"), pool.parts(layer)):
             name = f"dcp_kv_{part}_{layer}"
@@ -105,6 +107,21 @@ class SplitKVCache(GraphPass):
                 attr = gm.graph.get_attr(name)
             attr.meta["val"] = mode.from_tensor(tensor, static_shapes=True) if mode is not None else tensor
             made.append(attr)
+        return made[0], made[1]
+
+    @staticmethod
+    def _region_parts(gm: fx.GraphModule, node: fx.Node, pool, layers: list[int], mode) -> tuple[fx.Node, fx.Node]:
+        """In a compile region (dcp_compile/regions.py) each call passes its own layer's parts:
+        two placeholders after the region's last one, fed per call (PER_CALL_INPUTS)."""
+        made = []
+        last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+        for index, part in enumerate(("latent", "rope")):
+            tensors = [pool.parts(layer)[index] for layer in layers]
+            with gm.graph.inserting_after(last):
+                last = gm.graph.placeholder(f"{node.name}_{part}")
+            last.meta["val"] = mode.from_tensor(tensors[0], static_shapes=True) if mode is not None else tensors[0]
+            gm.meta[PER_CALL_INPUTS][last.name] = tensors
+            made.append(last)
         return made[0], made[1]
 
     @staticmethod

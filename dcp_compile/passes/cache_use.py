@@ -46,6 +46,13 @@ POOL_INPUTS = "dcp_kv_pool_inputs"
 tensors themselves (a back end's KV layout, lowering/kv_layout.py)."""
 
 
+REGION_POOL_LAYERS = "dcp_region_pool_layers"
+"""A compile region's gm.meta key: {cache placeholder name: the layer each of its calls passes}."""
+PER_CALL_INPUTS = "dcp_per_call_inputs"
+"""A compile region's gm.meta key: {placeholder name: the tensor each call passes}, for the
+placeholders a pass adds for one layer's own tensors (the split layout's parts, lowering.kv_layout)."""
+
+
 def pool_inputs(graph: fx.Graph, example_inputs, caches: list[torch.Tensor]) -> dict[fx.Node, int]:
     """The graph's placeholders that are the pool's caches, with each one's layer."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -85,10 +92,13 @@ def region_pool_inputs(region, pool_nodes: dict[fx.Node, int]) -> dict[fx.Node, 
 
 
 def bind_region_pool(region, pool, pool_nodes: dict[fx.Node, int]) -> None:
-    """POOL_INPUTS of a region's graph: its cache placeholders, as its first call's layers (a
-    lowering that reads one layer's buffers itself cannot serve a region: lowering.kv_layout)."""
-    region.module.meta[POOL_INPUTS] = (pool, {node.name: layers[0] for node, layers in
-                                              region_pool_inputs(region, pool_nodes).items()})
+    """POOL_INPUTS of a region's graph (its cache placeholders, as its first call's layers) and
+    REGION_POOL_LAYERS (every call's): a pass that reads a layer's own buffers asks for them per
+    call (PER_CALL_INPUTS)."""
+    found = region_pool_inputs(region, pool_nodes)
+    region.module.meta[POOL_INPUTS] = (pool, {node.name: layers[0] for node, layers in found.items()})
+    region.module.meta[REGION_POOL_LAYERS] = {node.name: layers for node, layers in found.items()}
+    region.module.meta[PER_CALL_INPUTS] = {}
 
 
 def check_cache_use(graph: fx.Graph, example_inputs, caches: list[torch.Tensor], front_end: bool = False,

@@ -55,17 +55,24 @@ def test_a_regional_model_gives_the_plain_models_logits_from_one_lowering_of_its
         assert {r.sites(attention) for r in _reports(plain)} == {3}
 
 
-def test_the_inputs_a_runner_may_skip_are_the_plain_steps(npu_emulator):
-    """The NPU lowering reads the page table and lengths from the host: its graphs leave them
-    unread. The linear-attention layer's region and the code around the regions read the others,
-    so a runner must copy those with regions as without."""
-    skipped = []
+def test_npu_regions_give_each_layer_its_own_kv_parts_and_skip_what_the_plain_step_skips(npu_emulator):
+    """The NPU lowering keeps a layer's latent and rope rows as two tensors (the split layout),
+    which a region's calls pass each their own; it reads the page table and lengths from the
+    host, so its graphs leave them unread, while the linear-attention layer and the code around
+    the regions read the others: a runner must copy those with regions as without."""
+    skipped, outputs = [], []
     for on in (True, False):
         model = dcp_compile.apply(MLAModel(preset("tiny-512"), 2048, max_requests=5, page_size=16,
                                            dtype=torch.bfloat16, device=npu_emulator, regions=on), 1, kernels="npu")
-        prefill = RequestTable(5, 64, 2048, 16).extend_batch(list(range(5)), PROMPTS)
-        model(*prefill.to(npu_emulator).args(), host_metadata=prefill.host)
+        table = RequestTable(5, 64, 2048, 16)
+        prefill = table.extend_batch(list(range(5)), PROMPTS)
+        outputs.append([model(*prefill.to(npu_emulator).args(), host_metadata=prefill.host)])
         skipped.append(unread_inputs(dcp_compile.state(model).host_slot.fed))
+        for step, rows in enumerate(DECODE_ROWS[:2]):
+            batch = table.extend_batch(rows, [[10 + step]] * len(rows))
+            outputs[-1].append(model(*batch.to(npu_emulator).args(), host_metadata=batch.host))
+    for got, want in zip(*outputs):
+        torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-5, rtol=1e-5)
     assert skipped[0] == skipped[1] and "req_to_token" in skipped[0] and "positions" not in skipped[0], skipped
 
 
