@@ -18,7 +18,7 @@ LAYERS = [
     ("lowering",),
     ("config", "cost_model", "shapes", "models"),
     ("strategy",),
-    ("backend",),
+    ("backend", "regions"),
     ("binding", "workload"),
     ("compiled_step",),
     ("hf",),
@@ -33,7 +33,7 @@ ALLOWED_UPWARD = {("backend", "debug")}
 debug.dump (debug also holds the dump's shape-only capture, which sits above the binding)."""
 
 BACK_END_WORDS = re.compile(r"\b(fia|torchair|nz|flashinfer|npu_kv_format|fia_version|npu_verify)\b", re.IGNORECASE)
-GENERIC = ["config.py", "workload.py", "api.py", "backend.py", "strategy.py", "binding.py", "compiled_step.py", "runtime"]
+GENERIC = ["config.py", "workload.py", "api.py", "backend.py", "regions.py", "strategy.py", "binding.py", "compiled_step.py", "runtime"]
 
 
 def _module(path: Path) -> str:
