@@ -130,6 +130,9 @@ def register(sub) -> None:
     p.add_argument("--graphs", action="store_true",
                    help="replay every decode and verify step from captured device graphs (CUDA graphs, NPU graphs; "
                         "needs --device cuda or npu)")
+    p.add_argument("--regions", action="store_true",
+                   help="each decoder layer of the DCP model a compile region: the passes and the inner compile run "
+                        "once per kind of layer, not once per layer")
     p.add_argument("--json", action="store_true", help="end with one JSON summary line")
     p.set_defaults(handler=run)
 
@@ -152,7 +155,8 @@ def run(args) -> int:
         interleave=args.interleave, pad_rows=args.pad_rows, kernels=args.kernels, block_size=args.block_size,
         device=args.device, timeout=args.timeout, inner_compile=args.inner_compile,
         model=args.model, dtype=args.dtype,
-        checkpoint=args.checkpoint, prompt_ids=prompt_ids, graphs=args.graphs, options=backend_flags.values(args),
+        checkpoint=args.checkpoint, prompt_ids=prompt_ids, graphs=args.graphs, regions=args.regions,
+        options=backend_flags.values(args),
     )
     if args.launch == "torchrun":
         result, rank = compare_torchrun(scenario)

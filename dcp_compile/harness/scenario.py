@@ -352,7 +352,8 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         if scenario.checkpoint is not None:
             model = load_pretrained(scenario.checkpoint, num_layers=scenario.layers, **common)
         else:
-            model = MLAModel(cfg, seed=scenario.seed, regions=scenario.regions and dcp_size > 1, **common)
+            model = MLAModel(cfg, seed=scenario.seed, **common)
+        model.regions = scenario.regions and dcp_size > 1
         options = dict(scenario.options) if dcp_size > 1 else {}  # the baseline keeps its back end's defaults
         return api.apply(model, dcp_size, interleave=scenario.interleave if dcp_size > 1 else 1, **options,
                          debug_checks=scenario.debug_checks, attention_strategy=scenario.attention_strategy,
