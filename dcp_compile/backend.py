@@ -7,6 +7,7 @@ import logging
 import os
 from pathlib import Path
 
+import torch
 import torch.fx as fx
 
 from dcp_compile.config import DCPConfig
@@ -16,7 +17,7 @@ from dcp_compile.passes import PassConfig, PassManager, PassReport, default_pass
 from dcp_compile import regions
 from dcp_compile.passes.cache_use import PER_CALL_INPUTS, bind_pool, bind_region_pool, check_cache_use, pool_inputs
 from dcp_compile.passes.fuse_projections import bind_weights, finish_fusion
-from dcp_compile.passes.graph_utils import fake_value
+from dcp_compile.passes.graph_utils import fake_mode_of, fake_value
 from dcp_compile.passes.sites import count_cache_views, count_mla_sites
 from dcp_compile.runtime.host_inputs import BATCH_INPUT, HostSlot
 from dcp_compile.runtime.parallel import ParallelState
@@ -128,7 +129,12 @@ class DCPBackend:
         pool_nodes = pool_inputs(gm.graph, example_inputs, self._caches()) if self.pool is not None else {}
         inner = _inner_compiler(self.config, self.lowering)
         records, feeds, lowered = [], [], {}
-        for region in map(regions.own_region, regions.find_regions(gm)):
+        found = regions.find_regions(gm)
+        state = regions.written_operands(gm, found)
+        context = torch._guards.TracingContext.try_get()
+        mode = context.fake_mode if context is not None and context.fake_mode is not None else fake_mode_of(gm.graph)
+        for region in map(regions.own_region, found):
+            regions.adopt_fake_mode(region, mode)
             if self.pool is not None:
                 bind_region_pool(region, self.pool, pool_nodes)
             bind_weights(region.module, [])  # its weights differ per call: none to fuse
@@ -143,7 +149,8 @@ class DCPBackend:
                     gm, [f"{region.name}_host_{i}" for i in range(len(feed.examples()))], feed.examples())
                 host = dict(zip(feed.placeholders, zip(made, feed.examples())))
                 feeds.append((region, feed))
-            invariant = {node: common[i] for node, i in captured.items() if isinstance(common.get(i), fx.Node)}
+            invariant = {node: common[i] for node, i in captured.items()
+                         if isinstance(common.get(i), fx.Node) and common[i] not in state}
             invariant.update({node: outer for node, (outer, _) in host.items()})
             hoisted = regions.hoist_invariants(gm, region, invariant)
             per_call = region.module.meta.get(PER_CALL_INPUTS, {})

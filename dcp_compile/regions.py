@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from dcp_compile.passes.graph_utils import fake_value, written_arguments
+from dcp_compile.passes.graph_utils import fake_value, storage_of, written_arguments
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
@@ -72,6 +74,29 @@ def own_region(region: Region) -> Region:
     graph = fx.Graph()
     graph.output(graph.graph_copy(region.module.graph, {}))
     return Region(region.name, fx.GraphModule(region.module, graph), region.calls)
+
+
+def _in_mode(value, mode):
+    """`value` as a fake tensor of `mode` (the same sizes, strides, dtype and device)."""
+    if not isinstance(value, FakeTensor) or value.fake_mode is mode:
+        return value
+    with mode:
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+
+def adopt_fake_mode(region: Region, mode) -> None:
+    """Give the region's graph fake values of `mode` (the outer step's, which the inner compiler
+    checks its inputs against) where dynamo traced it under a fake mode of its own (torch 2.10):
+    its inputs refaked, every node's value propagated anew."""
+    holders = region.placeholders()
+    if mode is None or all(not isinstance(v, FakeTensor) or v.fake_mode is mode for v in examples(region)):
+        return
+    inputs = [_in_mode(v, mode) for v in examples(region)]
+    FakeTensorProp(region.module, mode).propagate_dont_convert_inputs(*inputs)
+    for node in region.module.graph.nodes:
+        if "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
+    del holders
 
 
 def examples(region: Region) -> list:
@@ -175,6 +200,25 @@ def _movable(node: fx.Node) -> bool:
     return "c10d" not in str(node.target) and "higher_order" not in str(node.target) and "distributed" not in name
 
 
+def written_operands(gm: fx.GraphModule, found: list[Region]) -> set[fx.Node]:
+    """The outer values the step writes: in the outer graph, or as a region's input in some call
+    (a KV cache, a layer's recurrent state). A region's code that reads one runs in the region."""
+    written = {w for node in gm.graph.nodes for w in written_arguments(node) if isinstance(w, fx.Node)}
+    for region in found:
+        holders = {storage_of(fake_value(h)): i for i, h in enumerate(region.placeholders())}
+        holders.pop(None, None)
+        for node in region.module.graph.nodes:
+            for w in written_arguments(node):
+                index = holders.get(storage_of(fake_value(w))) if isinstance(w, fx.Node) else None
+                if index is not None:
+                    written.update(region.operand(call, index) for call in region.calls)
+    return written
+
+
+def _values(value) -> list:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
 def hoist_invariants(gm: fx.GraphModule, region: Region, invariant: dict[fx.Node, fx.Node]) -> dict[fx.Node, fx.Node]:
     """Move the region's nodes whose value is the same in every call (they read only `invariant`
     placeholders: {placeholder: the outer node every call passes}, and write nothing) into the
@@ -182,9 +226,16 @@ def hoist_invariants(gm: fx.GraphModule, region: Region, invariant: dict[fx.Node
     once a step, not once a layer. The tensors the region still reads from them become placeholders
     after its last one; returns {each of those placeholders: the outer node the calls pass it}."""
     graph = region.module.graph
+    # Memory some node of the region writes (the KV cache, a buffer the layer fills in place) is
+    # state: a node that reads it must run after the write, in the region, and one that makes it
+    # is made anew in each call.
+    written = {storage_of(fake_value(w)) for n in graph.nodes for w in written_arguments(n) if isinstance(w, fx.Node)}
+    written.discard(None)
     outside = set(invariant)
     for node in graph.nodes:
-        if _movable(node) and all(i in outside for i in node.all_input_nodes):
+        touched = [v for n in (node, *node.all_input_nodes) for v in _values(fake_value(n))]
+        if (_movable(node) and all(i in outside for i in node.all_input_nodes)
+                and not any(storage_of(v) in written for v in touched)):
             outside.add(node)
     while True:  # what crosses into the region must be a tensor (a compiled region's input)
         stuck = [n for n in outside if n not in invariant and not isinstance(fake_value(n), torch.Tensor)

