@@ -51,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--combo", default="flashinfer:inductor", help="lowering:inner_compile")
     p.add_argument("--cases", default="1:4:131072,1:16:131072,7:4:131072", help="k:batch:context,...")
     p.add_argument("--layers", type=int, default=61)
+    p.add_argument("--regions", action="store_true", help="each decoder layer a compile region (MLAModel(regions=True))")
     p.add_argument("--fuse-projections", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--skinny-matmuls", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--replays", type=int, default=5)
