@@ -34,7 +34,7 @@ def _reports(model):
     return [r for backend in dcp_compile.state(model).backends.values() for r in backend.reports]
 
 
-@pytest.mark.parametrize("kernels,inner", [("torch", "eager"), ("flashinfer", "inductor")])
+@pytest.mark.parametrize("kernels,inner", [("flashinfer", "inductor")])  # torch, eager: tests/distributed/test_regions.py
 def test_a_regional_model_gives_the_plain_models_logits_from_one_lowering_of_its_layer(kernels, inner):
     regional, plain = _models(kernels, inner)
     tables = [RequestTable(5, 64, 2048, PAGE) for _ in range(2)]
