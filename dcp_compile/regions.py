@@ -88,7 +88,6 @@ def adopt_fake_mode(region: Region, mode) -> None:
     """Give the region's graph fake values of `mode` (the outer step's, which the inner compiler
     checks its inputs against) where dynamo traced it under a fake mode of its own (torch 2.10):
     its inputs refaked, every node's value propagated anew."""
-    holders = region.placeholders()
     if mode is None or all(not isinstance(v, FakeTensor) or v.fake_mode is mode for v in examples(region)):
         return
     inputs = [_in_mode(v, mode) for v in examples(region)]
@@ -96,7 +95,6 @@ def adopt_fake_mode(region: Region, mode) -> None:
     for node in region.module.graph.nodes:
         if "val" in node.meta:
             node.meta["example_value"] = node.meta["val"]
-    del holders
 
 
 def examples(region: Region) -> list:
@@ -191,13 +189,18 @@ def read_outside(region: Region, index: int, lowered: dict[str, Region]) -> bool
     return False
 
 
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d")
+
+
 def _movable(node: fx.Node) -> bool:
     """A node that may run once before the calls instead of in each: it writes nothing, and is
     neither a collective (ranks must issue theirs in one order) nor a nested region."""
     if node.op not in ("call_function", "call_method") or written_arguments(node):
         return False
-    name = getattr(node.target, "__module__", "") or ""
-    return "c10d" not in str(node.target) and "higher_order" not in str(node.target) and "distributed" not in name
+    target = node.target
+    return (getattr(target, "namespace", None) not in COLLECTIVE_NAMESPACES
+            and not isinstance(target, torch._ops.HigherOrderOperator)
+            and not (getattr(target, "__module__", None) or "").startswith("torch.distributed"))
 
 
 def written_operands(gm: fx.GraphModule, found: list[Region]) -> set[fx.Node]:
@@ -231,18 +234,21 @@ def hoist_invariants(gm: fx.GraphModule, region: Region, invariant: dict[fx.Node
     # is made anew in each call.
     written = {storage_of(fake_value(w)) for n in graph.nodes for w in written_arguments(n) if isinstance(w, fx.Node)}
     written.discard(None)
-    outside = set(invariant)
-    for node in graph.nodes:
-        touched = [v for n in (node, *node.all_input_nodes) for v in _values(fake_value(n))]
-        if (_movable(node) and all(i in outside for i in node.all_input_nodes)
-                and not any(storage_of(v) in written for v in touched)):
-            outside.add(node)
-    while True:  # what crosses into the region must be a tensor (a compiled region's input)
+    blocked: set[fx.Node] = set()
+    while True:
+        outside = set(invariant)
+        for node in graph.nodes:
+            touched = [v for n in (node, *node.all_input_nodes) for v in _values(fake_value(n))]
+            if (node not in blocked and _movable(node) and all(i in outside for i in node.all_input_nodes)
+                    and not any(storage_of(v) in written for v in touched)):
+                outside.add(node)
+        # What crosses into the region must be a tensor (a compiled region's input): a node of
+        # another value that the region reads stays in it, and so does what is computed from it.
         stuck = [n for n in outside if n not in invariant and not isinstance(fake_value(n), torch.Tensor)
                  and any(u not in outside for u in n.users)]
         if not stuck:
             break
-        outside.difference_update(stuck)
+        blocked.update(stuck)
     moved = [n for n in graph.nodes if n in outside and n not in invariant]
     outer = dict(invariant)
     for node in moved:

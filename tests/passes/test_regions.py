@@ -128,3 +128,46 @@ def test_the_cache_rule_holds_inside_a_region():
         _check(_indexes, caches, caches)
     with pytest.raises(CacheMisuseError, match="in some of its calls and not in others"):
         _check(_writes, caches, [caches[0], torch.zeros(8, 12)])
+
+
+# --- what moves out of a region -------------------------------------------------------------------
+
+
+@torch.compiler.nested_compile_region
+def _accumulates(x, lens, state):
+    scale = lens.float() + 1  # the same in every call: moves out
+    state.add_(x)  # a layer's own state, written
+    seen = state * 2  # reads what the region writes: stays
+    return seen * scale[:, None] + x
+
+
+def test_what_every_call_computes_alike_runs_once_and_state_stays_in_the_region():
+    torch._dynamo.reset()
+    moved = []
+
+    def step(x, lens, *states):
+        for state in states:
+            x = _accumulates(x, lens, state)
+        return x
+
+    def backend(gm, example_inputs):
+        found = regions.find_regions(gm)
+        written = regions.written_operands(gm, found)
+        for region in map(regions.own_region, found):
+            holders = region.placeholders()
+            common = region.common_operands()
+            invariant = {holders[i]: v for i, v in common.items() if isinstance(v, torch.fx.Node) and v not in written}
+            hoisted = regions.hoist_invariants(gm, region, invariant)
+            moved.extend(str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+            sources = [holders.index(h) if h in holders else hoisted[h] for h in region.placeholders()]
+            regions.replace_calls(gm, region, region.module.forward, sources)
+        gm.recompile()
+        return gm.forward
+
+    x, lens = torch.randn(3, 4), torch.tensor([1, 2, 3])
+    states, reference = [torch.zeros(3, 4) for _ in range(3)], [torch.zeros(3, 4) for _ in range(3)]
+    got = torch.compile(step, backend=backend, fullgraph=True)(x, lens, *states)
+    torch.testing.assert_close(got, step(x, lens, *reference))
+    for state, want in zip(states, reference):  # every call wrote its own state
+        torch.testing.assert_close(state, want)
+    assert "float" in moved and not any("add_" in name or "mul" in name for name in moved), moved
