@@ -172,10 +172,8 @@ class DCPBackend:
             regions.replace_calls(gm, region, compiled, sources)
             lowered[regions.module_name(region)] = region
         for region, feed in feeds:
-            holders = region.placeholders()
-            feed.read_elsewhere = frozenset(holders[i].meta[BATCH_INPUT] for i in range(len(region.calls[0].args))
-                                            if i < len(holders) and BATCH_INPUT in holders[i].meta
-                                            and regions.read_outside(region, i, lowered))
+            feed.read_elsewhere = frozenset(holder.meta[BATCH_INPUT] for i, holder in enumerate(region.placeholders())
+                                            if BATCH_INPUT in holder.meta and regions.read_outside(region, i, lowered))
         gm.recompile()
         report = PassReport(records)
         self.reports.append(report)

@@ -184,7 +184,7 @@ def read_outside(region: Region, index: int, lowered: dict[str, Region]) -> bool
         if other is region:
             continue
         holders = other.placeholders()
-        if any(holders[i].users for i, arg in enumerate(user.args) if arg is value and i < len(holders)):
+        if any(holders[i].users for i, arg in enumerate(user.args) if arg is value):
             return True
     return False
 

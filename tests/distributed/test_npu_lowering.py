@@ -51,12 +51,17 @@ GRAPH_CASES = [
     dict(dcp_size=2, tp_size=2, batch=5, contexts=(1, 3, 40, 33, 17), steps=5, seed=11, graphs=True),
     dict(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=4, contexts=(1, 5, 40, 20), steps=3, seed=14,
          interleave=16, graphs=True),
+    # The same with the MLA layers a compile region (dcp_compile/regions.py): each call passes its
+    # layer's split KV parts, the batch's metadata computed once outside the region.
+    dict(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=4, contexts=(1, 5, 40, 20), steps=3, seed=14,
+         interleave=16, graphs=True, regions=True),
 ]
 
 
 def case_id(case: dict) -> str:
     return (f"{case.get('mode', 'decode')}-k{case.get('draft_len', 1)}-tp{case['tp_size']}-dcp{case['dcp_size']}"
             f"-I{case.get('interleave', 1)}" + ("-graphs" if case.get("graphs") else "")
+            + ("-regions" if case.get("regions") else "")
             + "".join(f"-{value}" for _, value in case.get("options", ())))
 
 
