@@ -48,7 +48,7 @@ from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import parallel
 from dcp_compile.runtime.graph_runner import CudaGraphs, GraphRunner
 from dcp_compile.runtime.kv_pool import MLAKVPool
-from dcp_compile.runtime.launch import init_from_env
+from dcp_compile.runtime.launch import free_port, init_from_env
 
 TARGETS = {"compile_seconds": 60.0, "warm_compile_seconds": 10.0, "capture_seconds": 3.0, "ready_seconds": 120.0}
 TOLERANCE = 1e-2
@@ -148,6 +148,16 @@ def replayed_seconds(runner, batch, k: int, replays: int, device) -> float:
     return statistics.median(seconds)
 
 
+def child_env() -> dict[str, str]:
+    """The warm child's environment: a world of one of its own, on a free port. Not torchrun's: a
+    child that inherits TORCHELASTIC_USE_AGENT_STORE joins as a client of a store that nobody
+    serves on its port, and waits (it hung a GPU run past its limit)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("TORCHELASTIC_")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               LOCAL_WORLD_SIZE="1")
+    return env
+
+
 def warm_compile(args) -> float:
     """The first-ready seconds of a second process, inductor's on-disk caches kept."""
     command = [sys.executable, "-m", "bench.serve_warmup", "--warm-child", "--out", os.devnull,
@@ -158,8 +168,7 @@ def warm_compile(args) -> float:
         command.append("--regions")
     if args.smoke:
         command.append("--smoke")
-    env = dict(os.environ, MASTER_PORT=str(int(os.environ.get("MASTER_PORT", "29533")) + 1))
-    done = subprocess.run(command, check=True, capture_output=True, text=True, env=env, timeout=1800)
+    done = subprocess.run(command, check=True, capture_output=True, text=True, env=child_env(), timeout=900)
     return json.loads(done.stdout.strip().splitlines()[-1])["first_ready_seconds"]
 
 
