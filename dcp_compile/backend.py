@@ -126,6 +126,11 @@ class DCPBackend:
         (dcp_compile/regions.py); the graph around the regions runs as FX code."""
         gm = _own_graph(gm)
         bind_weights(gm, example_inputs)  # marks the layers' weights read: nothing fuses them later
+        if self.config.fuse_projections == "on":
+            # A fused group's parameters are views of one weight, and dynamo's invoke_subgraph
+            # refuses a region's inputs that share a storage: every later trace would fail.
+            log.info("fuse_projections: not inside compile regions "
+                     "(invoke_subgraph refuses inputs that share a storage)")
         pool_nodes = pool_inputs(gm.graph, example_inputs, self._caches()) if self.pool is not None else {}
         inner = _inner_compiler(self.config, self.lowering)
         records, feeds, lowered = [], [], {}

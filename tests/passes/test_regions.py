@@ -55,6 +55,31 @@ def test_a_regional_model_gives_the_plain_models_logits_from_one_lowering_of_its
         assert max(r.sites("lower_flashinfer_attention") for r in _reports(regional)) <= 2
 
 
+def test_asked_to_fuse_projections_a_regional_model_leaves_its_weights_and_compiles_every_graph(caplog):
+    """fuse_projections='on' does not apply inside regions: the fused parameters would be views of
+    one weight, which invoke_subgraph refuses as a region's inputs at the next graph's trace."""
+    regional = MLAModel(preset("tiny"), 2048, max_requests=5, page_size=PAGE, regions=True)
+    pointers = {name: p.data_ptr() for name, p in regional.named_parameters()}
+    models = [dcp_compile.apply(MLAModel(preset("tiny"), 2048, max_requests=5, page_size=PAGE), 1, kernels="torch",
+                                fuse_projections="off"),
+              dcp_compile.apply(regional, 1, kernels="torch", fuse_projections="on")]
+    outputs = []
+    with caplog.at_level("INFO", logger="dcp_compile"):
+        for model in models:
+            table = RequestTable(5, 64, 2048, PAGE)
+            prefill = table.extend_batch(list(range(5)), PROMPTS)
+            outputs.append([model(*prefill.args(), host_metadata=prefill.host)])
+            if model is models[1]:
+                torch._dynamo.reset()  # a new trace over the parameters the first compile saw
+            batch = table.extend_batch(DECODE_ROWS[0], [[10]] * len(DECODE_ROWS[0]))
+            outputs[-1].append(model(*batch.args(), host_metadata=batch.host))
+    for got, want in zip(*outputs):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert len(_reports(models[1])) == 2 and {r.sites("fuse_projections") for r in _reports(models[1])} == {0}
+    assert {name: p.data_ptr() for name, p in regional.named_parameters()} == pointers
+    assert "not inside compile regions" in caplog.text
+
+
 def test_npu_regions_give_each_layer_its_own_kv_parts_and_skip_what_the_plain_step_skips(npu_emulator):
     """The NPU lowering keeps a layer's latent and rope rows as two tensors (the split layout),
     which a region's calls pass each their own; it reads the page table and lengths from the
