@@ -10,7 +10,10 @@ decoder layer a compile region (MLAModel(regions=True), dcp_compile/regions.py).
     step), inductor's caches off so that every case compiles cold;
   - pass_milliseconds: the DCP passes' and the lowering's own time in that compile;
   - step_seconds: the median of --steps decode steps after it (symbolic shapes: no recompile);
-  - max_abs_diff: the last decode step's logits against the same model without regions.
+  - max_abs_diff: the last decode step's logits against the same model without regions;
+  - with --warm, warm_first_call_seconds: the same first call of a fresh model after
+    torch._dynamo.reset(), inductor's on-disk caches kept from the cold one and its in-memory ones
+    cleared (as a second process finds them, but for Python's warm imports).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -43,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--inner", default="eager,inductor")
     p.add_argument("--kernels", default="torch")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warm", action="store_true", help="also time a warm first call (inductor's caches kept)")
     p.add_argument("--smoke", action="store_true", help="layers 2 and 4, eager: checks the script")
     args = p.parse_args(argv)
     if args.smoke:
@@ -52,8 +57,10 @@ def parse_args(argv=None):
     return args
 
 
-def run_case(args, layers: int, inner: str, regions: bool, dcp: int) -> tuple[dict, torch.Tensor]:
+def first_call(args, layers: int, inner: str, regions: bool, dcp: int):
+    """(the applied model, its request table, the seconds of its first call: a prefill)."""
     torch._dynamo.reset()
+    torch._inductor.utils.clear_inductor_caches()  # in-memory: only the on-disk caches carry over
     cfg = preset(args.model).replace(layer_types=("mla",) * layers)
     model = MLAModel(cfg, 4096, max_requests=len(PROMPTS), par=parallel.build(1, 1), page_size=PAGE, regions=regions)
     applied = dcp_compile.apply(model, dcp, kernels=args.kernels, inner_compile=inner)
@@ -61,7 +68,18 @@ def run_case(args, layers: int, inner: str, regions: bool, dcp: int) -> tuple[di
     batch = table.extend_batch(list(range(len(PROMPTS))), PROMPTS)
     started = time.perf_counter()
     applied(*batch.args(), host_metadata=batch.host)
-    first = time.perf_counter() - started
+    return applied, table, time.perf_counter() - started
+
+
+def run_case(args, layers: int, inner: str, regions: bool, dcp: int) -> tuple[dict, torch.Tensor]:
+    warm = None
+    if args.warm:  # cold over an empty inductor cache of the case's own, then a fresh model over it
+        with tempfile.TemporaryDirectory(prefix="dcp_regions_inductor_") as cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+            _, _, cold = first_call(args, layers, inner, regions, dcp)
+            applied, table, warm = first_call(args, layers, inner, regions, dcp)
+    else:  # caches off (main)
+        applied, table, cold = first_call(args, layers, inner, regions, dcp)
     reports = [r for backend in dcp_compile.state(applied).backends.values() for r in backend.reports]
     pass_ms = sum(r.milliseconds for report in reports for r in report.records)
     seconds, logits = [], None
@@ -71,8 +89,10 @@ def run_case(args, layers: int, inner: str, regions: bool, dcp: int) -> tuple[di
         started = time.perf_counter()
         logits = applied(*batch.args(), host_metadata=batch.host)
         seconds.append(time.perf_counter() - started)
-    row = {"layers": layers, "inner_compile": inner, "regions": regions, "first_call_seconds": first,
+    row = {"layers": layers, "inner_compile": inner, "regions": regions, "first_call_seconds": cold,
            "pass_milliseconds": pass_ms, "graphs_compiled": len(reports), "step_seconds": statistics.median(seconds)}
+    if warm is not None:
+        row["warm_first_call_seconds"] = warm
     return row, logits
 
 
@@ -84,7 +104,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("WORLD_SIZE", "1")
     init_from_env("gloo")
     dcp, rank = dist.get_world_size(), dist.get_rank()
-    torch._inductor.config.force_disable_caches = True  # every case compiles cold
+    if not args.warm:
+        torch._inductor.config.force_disable_caches = True  # every case compiles cold
     result = results.start("compile_regions", argv, torch.device("cpu"))
     result["run"].update(model=args.model, dcp_size=dcp, kernels=args.kernels, steps=args.steps)
     for inner in args.inner:
@@ -99,6 +120,9 @@ def main(argv=None) -> int:
                       f"{regional['first_call_seconds']:6.1f} s with regions (passes {plain['pass_milliseconds']:7.0f} -> "
                       f"{regional['pass_milliseconds']:5.0f} ms), step {plain['step_seconds'] * 1e3:6.1f} -> "
                       f"{regional['step_seconds'] * 1e3:6.1f} ms, logits diff {regional['max_abs_diff']:.1e}", flush=True)
+                if args.warm:
+                    print(f"{'':>8} {'':>3}         warm first call {plain['warm_first_call_seconds']:6.1f} s -> "
+                          f"{regional['warm_first_call_seconds']:6.1f} s with regions", flush=True)
     if rank == 0:
         results.write(result, args.out)
         print(f"wrote {args.out}")
