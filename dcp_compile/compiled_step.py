@@ -94,13 +94,21 @@ PASS_ERRORS = (ValueError, TypeError, CacheMisuseError, RewriteError)
 """What the passes raise about the model or the batch: surfaced as they are."""
 
 
-def raise_recompile_limit() -> None:
+def configure_dynamo() -> None:
+    """Process-wide dynamo settings every compiled step needs: the recompile limits raised, and
+    a compile region called once kept as a region. torch 2.13 inlines an invoke_subgraph with a
+    single call site (inline_single_use_invoke_subgraph), so a model with one layer of a kind (the
+    one dense layer of Kimi-K2 and Moonlight, first_k_dense_replace = 1) gave MLA sites both inside
+    and outside its regions, which the backend refuses. Keeping the call changes nothing a step
+    computes, in this compile or any other of the process."""
     config = torch._dynamo.config
     for name, limit in (("recompile_limit", RECOMPILE_LIMIT), ("cache_size_limit", RECOMPILE_LIMIT),
                         ("accumulated_recompile_limit", ACCUMULATED_RECOMPILE_LIMIT),
                         ("accumulated_cache_size_limit", ACCUMULATED_RECOMPILE_LIMIT)):
         if hasattr(config, name) and getattr(config, name) < limit:
             setattr(config, name, limit)
+    if getattr(config, "inline_single_use_invoke_subgraph", False):
+        config.inline_single_use_invoke_subgraph = False
 
 
 class _Variant:
@@ -124,7 +132,7 @@ class CompiledStep:
 
     def __init__(self, function, state: DCPState, *, too_many_shapes: str,
                  errors: tuple[type[BaseException], ...] = ()):
-        raise_recompile_limit()
+        configure_dynamo()
         self.state = state
         # The static and the symbolic variant share the strategy's backend (its pass manager and
         # reports) through distinct callables: dynamo keys its cache by the backend object, so a

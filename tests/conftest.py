@@ -119,6 +119,7 @@ BY_PREFIX = {
         "tests/passes/test_lower_projections.py::test_the_lowered_products_compile_under_inductor",
         "tests/passes/test_regions.py::test_a_regional_model_gives_the_plain_models_logits_from_one_lowering_of_its_layer",
         "tests/passes/test_regions.py::test_asked_to_fuse_projections_a_regional_model_leaves_its_weights_and_compiles_every_graph",
+        "tests/passes/test_regions.py::test_a_layer_kind_called_once_stays_a_region",
         "tests/runtime/test_concurrent_steps.py::test_two_threads_get_the_logits_of_a_sequential_run",
         "tests/test_api.py::test_inductor_inner_compile_matches_eager",
         "tests/test_batch_guard.py::test_a_refused_batch_writes_no_kv",

@@ -6,13 +6,15 @@ dcp_size 1: tests/distributed/test_regions.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import dcp_compile
 from dcp_compile import regions
 from dcp_compile.models import mla
-from dcp_compile.models.config import preset
+from dcp_compile.models.config import MoEConfig, preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile import ops
 from dcp_compile.passes.cache_use import CacheMisuseError, check_cache_use
@@ -80,6 +82,30 @@ def test_asked_to_fuse_projections_a_regional_model_leaves_its_weights_and_compi
     assert len(_reports(models[1])) == 2 and {r.sites("fuse_projections") for r in _reports(models[1])} == {0}
     assert {name: p.data_ptr() for name, p in regional.named_parameters()} == pointers
     assert "not inside compile regions" in caplog.text
+
+
+def test_a_layer_kind_called_once_stays_a_region():
+    """One dense MLA layer, then MoE ones (Kimi-K2's and Moonlight's first_k_dense_replace = 1):
+    the dense layer's region has one call, which torch 2.13 would inline into the step (its MLA
+    site then outside every region, refused); it stays a region, and the logits are the plain
+    model's. Each kind of layer is lowered once: two FlashInfer sites, against one a layer."""
+    cfg = dataclasses.replace(preset("tiny"), layer_types=("mla",) * 4,
+                              moe=MoEConfig(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                            n_shared_experts=1, first_k_dense_replace=1))
+    outputs, sites = [], []
+    for on in (True, False):
+        model = dcp_compile.apply(MLAModel(cfg, 512, max_requests=3, page_size=PAGE, regions=on), 1,
+                                  kernels="flashinfer")
+        table = RequestTable(3, 64, 512, PAGE)
+        batch = table.extend_batch([0, 1, 2], [[1, 2], [3] * 9, [4]])
+        step = [model(*batch.args(), host_metadata=batch.host)]
+        batch = table.extend_batch([0, 2], [[5], [6]])
+        step.append(model(*batch.args(), host_metadata=batch.host))
+        outputs.append(step)
+        sites.append({r.sites("lower_flashinfer_attention") for r in _reports(model)})
+    for got, want in zip(*outputs):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert sites == [{2}, {4}]
 
 
 def test_npu_regions_give_each_layer_its_own_kv_parts_and_skip_what_the_plain_step_skips(npu_emulator):
