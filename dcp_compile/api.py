@@ -154,7 +154,8 @@ def _check_model(model: nn.Module) -> tuple[MLAKVPool, parallel.ParallelState]:
 
 
 def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = None, kv_keep: str = "memory",
-          kv_capacity: int | None = None, block_size: int | None = None, **config_fields) -> nn.Module:
+          kv_capacity: int | None = None, block_size: int | None = None, regions: bool = False,
+          **config_fields) -> nn.Module:
     """Shard `model`'s latent KV cache over `dcp_size` ranks of its TP group and compile it.
 
     Collective: call on every rank. Call before any KV is written (the pool is reallocated).
@@ -167,7 +168,10 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     `kv_capacity` locations (default 1 + max_position_embeddings) and returns a
     dcp_compile.hf.model.DCPTransformersModel, whose generate() and forward() are transformers'
     own (dcp_compile/hf). kv_capacity and block_size (the KV rows of one page on one rank, for
-    back ends that read the pool as blocks: Lowering.pool_page_size) are for those models only.
+    back ends that read the pool as blocks: Lowering.pool_page_size) are for those models only, as
+    is regions=True: each attention decoder layer a compile region, so that compiling a step
+    costs one layer of each kind, not every layer (dcp_compile/hf/regions.py; a model written for
+    dcp_compile makes its own layers regions, as MLAModel(regions=True) does).
     """
     if isinstance(model, DCPModel) or getattr(model, "dcp_state", None) is not None:
         raise ValueError("this model was already applied (it is what dcp_compile.apply returned): apply the original "
@@ -181,10 +185,14 @@ def apply(model: nn.Module, dcp_size: int = 1, *, config: DCPConfig | None = Non
     if is_transformers_model(model):
         from dcp_compile.hf.model import apply_transformers
 
-        return apply_transformers(model, config, kv_capacity, kv_keep, block_size)
+        return apply_transformers(model, config, kv_capacity, kv_keep, block_size, regions)
     for name, value in (("kv_capacity", kv_capacity), ("block_size", block_size)):
         if value is not None:
             raise ValueError(f"{name} sizes the KV pool of a transformers model; this model owns its kv_pool")
+    if regions:
+        raise ValueError("regions=True wraps a transformers model's decoder layers; a model written for dcp_compile "
+                         "makes its layers compile regions itself (torch.compiler.nested_compile_region, as "
+                         "MLAModel(regions=True) does)")
     pool, current = _check_model(model)
     if config.dcp_size > 1 and not dist.is_initialized():
         raise RuntimeError(f"dcp_size {config.dcp_size} needs torch.distributed initialised with >= {config.dcp_size} ranks "

@@ -143,6 +143,7 @@ class DCPBackend:
             if self.pool is not None:
                 bind_region_pool(region, self.pool, pool_nodes)
             bind_weights(region.module, [])  # its weights differ per call: none to fuse
+            region.module.meta[regions.OUTER_SOURCES] = regions.OuterSources(gm, region)
             captured = {node: i for i, node in enumerate(region.placeholders())}
             common = region.common_operands()
             records += self.manager.run(region.module).records

@@ -31,6 +31,9 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from dcp_compile.passes.graph_utils import fake_value, storage_of, written_arguments
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+OUTER_SOURCES = "dcp_region_outer_sources"
+"""A compile region's gm.meta key: its OuterSources, for passes that ask what step inputs a value
+depends on (the absorb pass's mask rule)."""
 
 
 @dataclass
@@ -55,6 +58,42 @@ class Region:
         first = self.calls[0]
         return {i: self.operand(first, i) for i in range(len(self.placeholders()))
                 if all(self.operand(c, i) is self.operand(first, i) for c in self.calls)}
+
+
+class OuterSources:
+    """sources(placeholder name) -> the names of the outer graph's placeholders that the value its
+    calls pass it depends on, in any call. Computed on demand: a layer's hidden state depends on
+    every layer before it, and no pass asks for it."""
+
+    def __init__(self, gm: fx.GraphModule, region: Region):
+        self._operands = {holder.name: [region.operand(call, i) for call in region.calls]
+                          for i, holder in enumerate(region.placeholders())}
+        self._memo: dict[fx.Node, frozenset[str]] = {}
+
+    def __call__(self, name: str) -> frozenset[str]:
+        return frozenset().union(*(self._of(v) for v in self._operands.get(name, ())))
+
+    def _of(self, value) -> frozenset[str]:
+        if not isinstance(value, fx.Node):
+            return frozenset()
+        stack = [value]  # depth-first, without recursion: an outer graph is long
+        while stack:
+            node = stack[-1]
+            if node in self._memo:
+                stack.pop()
+                continue
+            pending = [p for p in node.all_input_nodes if p not in self._memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            if isinstance(node.meta.get("example_value", node.meta.get("val")), (int, torch.SymInt)):
+                self._memo[node] = frozenset()  # a size carries the batch's shape, never its data
+            elif node.op == "placeholder":
+                self._memo[node] = frozenset([node.name])
+            else:
+                self._memo[node] = frozenset().union(*(self._memo[p] for p in node.all_input_nodes))
+        return self._memo[value]
 
 
 def find_regions(gm: fx.GraphModule) -> list[Region]:

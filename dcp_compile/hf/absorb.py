@@ -46,6 +46,7 @@ from dcp_compile.ops import targets
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.cache_use import source_line
 from dcp_compile.passes.graph_utils import call, check_replacement, fake_value, size_of
+from dcp_compile.regions import OUTER_SOURCES
 
 aten = torch.ops.aten
 
@@ -136,6 +137,10 @@ class AbsorbSite:
     """Every node of the pattern, erased once the replacement is in place."""
     query: fx.Node | None = None
     """The query the attention read [B, H, T, n + P]."""
+    sized: tuple = ()
+    """(tensor, its dims) for the pattern's [B, ., L, .] tensors whose sizes the graph reads (traced
+    inside a compile region, expand_kv reads the shapes of the key and its nope part): dims of
+    ints, and "B" and "L" for the batch and the cache width."""
 
     @property
     def layer(self) -> str:
@@ -151,16 +156,24 @@ def layer_name(node: fx.Node) -> str:
     return f"{path} ({getattr(module_type, '__name__', module_type)})"
 
 
-def _placeholders(node, memo: dict) -> frozenset:
-    """The graph inputs a node's value depends on; a size (a tensor's shape, static or symbolic)
-    depends on none: it carries the batch's shape, never its data."""
+_OUTER, _PADDING = "outer sources", "padding inputs"
+"""find_sites' memo keys besides nodes: a compile region's regions.OuterSources (None outside a
+region), and the name endings of the padding inputs a mask may read."""
+
+
+def _placeholders(node, memo: dict) -> frozenset[str]:
+    """The names of the step's inputs a node's value depends on: the graph's placeholders, or in a
+    compile region the outer graph's that its calls pass it (dcp_compile/regions.py). A size (a
+    tensor's shape, static or symbolic) depends on none: it carries the batch's shape, never its
+    data."""
     if not isinstance(node, fx.Node):
         return frozenset()
     if node not in memo:
         if _is_size(node):
             memo[node] = frozenset()
         elif node.op == "placeholder":
-            memo[node] = frozenset([node])
+            outer = memo.get(_OUTER)
+            memo[node] = outer(node.name) if outer is not None else frozenset([node.name])
         else:
             found = frozenset()
             for parent in node.all_input_nodes:
@@ -179,12 +192,12 @@ def _is_size(node: fx.Node) -> bool:
 def _check_mask(mask, allowed: frozenset, memo: dict, at: fx.Node) -> None:
     _expect(isinstance(mask, fx.Node), at, "an attention mask over the cache read (without one, transformers attends "
             "to every row of the read, unwritten ones included)")
-    foreign = sorted(n.name for n in _placeholders(mask, memo) - allowed)
+    foreign = sorted(name for name in _placeholders(mask, memo) - allowed if not name.endswith(memo[_PADDING]))
     _expect(not foreign, mask, f"a mask computed from the cache's lengths only; it reads the inputs {foreign} (a padding "
             "mask? dcp_compile takes unpadded batches)")
 
 
-def cache_inputs(views: list[fx.Node], memo: dict) -> frozenset:
+def cache_inputs(views: list[fx.Node], memo: dict) -> frozenset[str]:
     """The graph inputs the cache reads' page table, lengths and positions come from (the
     cache's own state): what a mask equal to mla_attention's causal rule may depend on."""
     found = frozenset()
@@ -196,7 +209,9 @@ def cache_inputs(views: list[fx.Node], memo: dict) -> frozenset:
 
 def _match_key(k_nope: fx.Node, k_rope: fx.Node, nope_dim: int) -> tuple[fx.Node, list[fx.Node]]:
     """The key [k_nope | k_rope] on the last dim: a cat, or new_empty filled by two copy_ (expand_kv)."""
-    user = _only_user(k_nope, "the key built from the nope part")
+    readers = [u for u in k_nope.users if not _is_size_read(u)]  # in a compile region expand_kv reads its shape
+    _expect(len(readers) == 1, k_nope, f"exactly one use: the key built from the nope part (found {len(readers)})")
+    user = readers[0]
     if _is(user, CAT):
         parts, dim = _arg(user, 0, "tensors"), _arg(user, 1, "dim", 0)
         _expect(list(parts) == [k_nope, k_rope] and _last_dim(dim, 4), user, "cat((k_nope, k_rope), dim=-1)")
@@ -215,7 +230,7 @@ def _match_key(k_nope: fx.Node, k_rope: fx.Node, nope_dim: int) -> tuple[fx.Node
         index = slot.args[1]
         _expect(isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and index[1] == expected, slot,
                 f"key[..., {expected.start or ''}:{expected.stop or ''}]")
-    others = set(key.users) - {nope_slot, rope_slot}
+    others = {u for u in key.users if not _is_size_read(u)} - {nope_slot, rope_slot}
     _expect(len(others) == 1, key, "the key used only by its two copies and the attention")
     return key, [key, nope_slot, user, rope_slot, rope_copy]
 
@@ -235,7 +250,7 @@ def _scale_of_sdpa(node: fx.Node, query_dim: int) -> float:
 
 def _match_attention(key: fx.Node, value: fx.Node, allowed: frozenset, memo: dict):
     """(attention output, query, scale, nodes) for SDPA or the eager form reading key and value."""
-    users = [u for u in key.users if not (u.op == "call_function" and u.target is operator.getitem)]
+    users = [u for u in key.users if not (u.op == "call_function" and u.target is operator.getitem) and not _is_size_read(u)]
     _expect(len(users) == 1, key, "one attention reading the key")
     user = users[0]
     if _is(user, SDPA):
@@ -338,12 +353,12 @@ def match_site(view: fx.Node, allowed: frozenset, memo: dict) -> AbsorbSite:
         _expect(_shape(q_rope) == (batch, heads, tokens, rope_dim), q_rope, f"q_rope [B, H={heads}, T, P={rope_dim}]")
     _expect(_shape(view.args[3])[0] == batch * tokens, view, f"one query id per step token (B*T = {batch * tokens})")
     _expect(_shape(output) == (batch, heads, tokens, value_dim), output, f"an attention output [B, H, T, v={value_dim}]")
-    query_users = set(query.users) - set(attention_nodes)
+    query_users = {u for u in query.users if not _is_size_read(u)} - set(attention_nodes)
     _expect(not query_users, query, "the query read only by the attention")
     matched = [view, latent, rope, linear, per_head, heads_first, split, k_nope, value, k_rope, *key_nodes,
                *attention_nodes, *([query] if q_nope is not None else [])]
     return AbsorbSite(view, output, q_nope, q_rope, weight, scale, heads, nope_dim, value_dim, rank_dim, rope_dim, matched,
-                      query)
+                      query, ((k_nope, ("B", heads, "L", nope_dim)), (key, ("B", heads, "L", nope_dim + rope_dim))))
 
 
 def find_sites(graph: fx.Graph, padding_inputs: tuple[str, ...] = ()) -> tuple[list[AbsorbSite],
@@ -351,11 +366,12 @@ def find_sites(graph: fx.Graph, padding_inputs: tuple[str, ...] = ()) -> tuple[l
     """(matched sites, (cache read, mismatch) for each read that does not match). padding_inputs:
     the graph inputs a mask may read besides the cache's state (placeholders whose names end so):
     a padding mask the front end checked equals the cache's own padding at every step."""
-    memo: dict = {}
+    owner = graph.owning_module
+    memo: dict = {_OUTER: owner.meta.get(OUTER_SOURCES) if owner is not None else None,
+                  _PADDING: tuple(padding_inputs)}
     sites, failures = [], []
     views = [n for n in graph.nodes if n.op == "call_function" and n.target is targets.CACHE_VIEW]
-    allowed = cache_inputs(views, memo) | {n for n in graph.nodes
-                                            if n.op == "placeholder" and n.name.endswith(tuple(padding_inputs))}
+    allowed = cache_inputs(views, memo)
     for view in views:
         try:
             sites.append(match_site(view, allowed, memo))
@@ -392,12 +408,24 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
 
 
 def _replace_size_reads(graph: fx.Graph, site: AbsorbSite, req_to_token: fx.Node) -> None:
-    """Sizes read off the cached latent [B, 1, L, R] (Kimi-Linear's expand_kv reads kv_nope.shape),
-    read off the page table [B, L] instead, so that the cache read can go."""
+    """Sizes read off the cached latent [B, 1, L, R] (Kimi-Linear's expand_kv reads kv_nope.shape)
+    and off the key's nope part [B, H, L, n] (expand_kv's, traced inside a compile region), read
+    off the page table [B, L] instead, so that the cache read can go."""
     latent = next(u for u in site.view.users if u.args[1] == 0)
     with graph.inserting_after(site.view):
-        sizes = {0: size_of(graph, req_to_token, 0), 1: 1, 2: size_of(graph, req_to_token, 1), 3: site.rank_dim}
-    for reader in [u for u in latent.users if _is_size_read(u)]:
+        batch, width = size_of(graph, req_to_token, 0), size_of(graph, req_to_token, 1)
+    _replace_sizes(graph, latent, {0: batch, 1: 1, 2: width, 3: site.rank_dim})
+    for tensor, dims in site.sized:
+        _replace_sizes(graph, tensor, dict(enumerate({"B": batch, "L": width}.get(d, d) for d in dims)))
+    if site.q_nope is not None:  # the query [B, H, T, n + P], a cat the rewrite erases
+        with graph.inserting_after(site.q_nope):
+            tokens = size_of(graph, site.q_nope, 2)
+        _replace_sizes(graph, site.query, {0: batch, 1: site.heads, 2: tokens, 3: site.nope_dim + site.rope_dim})
+
+
+def _replace_sizes(graph: fx.Graph, tensor: fx.Node, sizes: dict) -> None:
+    """Every read of `tensor`'s sizes replaced by `sizes` ({dim: a value or graph node})."""
+    for reader in [u for u in tensor.users if _is_size_read(u)]:
         if _is(reader, methods=("dim",)):
             _replace_value(reader, 4)
         elif _is(reader, methods=("size",)) and len(reader.args) > 1:

@@ -28,6 +28,7 @@ Beam search, cropping and batch reordering are refused: the pool's rows do not m
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -38,6 +39,34 @@ from dcp_compile.ops.cache_view import mla_cache_view
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.host_metadata import HostMetadata
 from dcp_compile.runtime.kv_pool import MLAKVPool
+
+
+def check_compiling() -> None:
+    if not torch.compiler.is_compiling():
+        raise RuntimeError("a DCPCache is updated only inside the step dcp_compile.apply compiled: call the model "
+                           "apply() returned")
+
+
+@dataclass
+class StepInputs:
+    """A step's KV write and read over one cache (every attention layer's alike): the page table
+    [B, W], each row's length after the step [B], each token's row and position [B*T], and the
+    location each token writes [B*T] (0 on left padding: the write skips it)."""
+
+    req_to_token: torch.Tensor
+    seq_lens: torch.Tensor
+    q_seq_ids: torch.Tensor
+    q_positions: torch.Tensor
+    loc: torch.Tensor
+
+
+def write_and_read(cache: torch.Tensor, step: StepInputs, key_states: torch.Tensor, value_states: torch.Tensor):
+    """Write a step's latent [B, 1, T, R] and rope [B, 1, T, P] into one layer's `cache` and
+    return that layer's rows of the batch, (latent [B, 1, L, R], rope [B, 1, L, P])."""
+    batch, _, tokens, rank_dim = key_states.shape
+    ops.mla_kv_write(cache, key_states.reshape(batch * tokens, rank_dim),
+                     value_states.reshape(batch * tokens, value_states.shape[-1]), step.loc)
+    return mla_cache_view(cache, step.req_to_token, step.seq_lens, step.q_seq_ids, step.q_positions, rank_dim)
 
 
 def _refuse(what: str):
@@ -74,25 +103,25 @@ class DCPCacheLayer(CacheLayerMixin):
         Only inside dcp_compile's compiled step: there transformers always builds the causal
         mask (the length is a traced tensor); run eagerly, it skips the mask of a one-token
         step and would attend over the read's unwritten rows."""
-        if not torch.compiler.is_compiling():
-            raise RuntimeError("a DCPCache is updated only inside the step dcp_compile.apply compiled: call the model "
-                               "apply() returned")
-        batch, _, tokens, rank_dim = key_states.shape
-        rope_dim = value_states.shape[-1]
-        # Everything derived from the length is computed before the in-place add below.
+        check_compiling()
+        batch, _, tokens, _ = key_states.shape
+        step = self.step_inputs(batch, tokens)  # from the length, before the in-place add below
+        read = write_and_read(self.pool.cache(self.layer), step, key_states, value_states)
+        self.cumulative_length.add_(tokens)
+        return read
+
+    def step_inputs(self, batch: int, tokens: int) -> "StepInputs":
+        """Where a step of `tokens` columns a row writes and what it reads, from this layer's
+        length before the step."""
         columns = self.cumulative_length + torch.arange(tokens, device=self.device)
         positions = columns.unsqueeze(0) - self.pads.unsqueeze(1)  # [B, T]; < 0 on padding
         written = positions >= 0
         positions = positions.clamp_min(0)
-        seq_lens = self.cumulative_length + tokens - self.pads
-        q_seq_ids = torch.arange(batch, device=self.device).repeat_interleave(tokens)
-        q_positions = positions.reshape(-1)
-        loc = torch.where(written, self.req_to_token.gather(1, positions), 0).reshape(-1)
-        cache = self.pool.cache(self.layer)
-        ops.mla_kv_write(cache, key_states.reshape(batch * tokens, rank_dim),
-                         value_states.reshape(batch * tokens, rope_dim), loc)
-        self.cumulative_length.add_(tokens)
-        return mla_cache_view(cache, self.req_to_token, seq_lens, q_seq_ids, q_positions, rank_dim)
+        return StepInputs(req_to_token=self.req_to_token,
+                          seq_lens=self.cumulative_length + tokens - self.pads,
+                          q_seq_ids=torch.arange(batch, device=self.device).repeat_interleave(tokens),
+                          q_positions=positions.reshape(-1),
+                          loc=torch.where(written, self.req_to_token.gather(1, positions), 0).reshape(-1))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The table's width, not the int: symbolic where the step marks it so (one graph per width otherwise).

@@ -52,6 +52,7 @@ from dcp_compile.hf.absorb import AbsorbError, AbsorbMLA
 from dcp_compile.hf.agreement import GroupAgreement
 from dcp_compile.hf.cache import LINEAR_ATTENTION, DCPCache, step_host_metadata
 from dcp_compile.hf.locations import allocator
+from dcp_compile.hf.regions import wrap_layers
 from dcp_compile.strategy import REPLICATED_Q
 from dcp_compile.runtime import parallel
 from dcp_compile.lowering import registry
@@ -137,14 +138,16 @@ def _check_model(model: nn.Module, config: DCPConfig) -> None:
 
 
 def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | None = None,
-                       kv_keep: str = "memory", block_size: int | None = None) -> "DCPTransformersModel":
+                       kv_keep: str = "memory", block_size: int | None = None,
+                       regions: bool = False) -> "DCPTransformersModel":
     """dcp_compile.apply's path for transformers models (see the module docstring).
 
     kv_capacity: KV locations of the pool before sharding (default 1 + the model's
     max_position_embeddings), rounded up to whole pages; kv_keep='memory' keeps that many rows
     per rank and grows the logical capacity dcp_size-fold, 'capacity' keeps the capacity and
     shrinks the rows. block_size: the KV rows of one page on one rank, for back ends that read
-    the pool as blocks (default the back end's: Lowering.default_block_size)."""
+    the pool as blocks (default the back end's: Lowering.default_block_size). regions: each
+    attention decoder layer a compile region (dcp_compile/hf/regions.py)."""
     _check_model(model, config)
     if "forward" in vars(model):
         raise ValueError(f"this {type(model).__name__} was already passed to dcp_compile.apply (its forward is a DCP "
@@ -174,6 +177,8 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
     # the padding with it); the step checks it equals the cache's padding (_read_padding), which
     # the absorbed attention serves as each row's length, so its attention masks may read it.
     absorb = AbsorbMLA(padding_inputs=(PADDING_MASK_INPUT,) if LINEAR_ATTENTION in kinds else ())
+    if regions:
+        wrap_layers(model, _layer_types(text))
     return DCPTransformersModel(model, DCPState.build(binding, groups, front_end_passes=[absorb]), absorb)
 
 

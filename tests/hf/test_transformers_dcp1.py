@@ -67,6 +67,30 @@ def test_flashinfer_matches_transformers():
         assert ops["after"].get("dcp::mla_attention", 0) == 0
 
 
+# FlashInfer's host-fed plans inside regions run by default on the reference model (tests/passes/test_regions.py)
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("flashinfer", marks=pytest.mark.matrix)])
+def test_regions_absorb_each_kind_of_layer_once_and_give_transformers_tokens(kernels):
+    """apply(..., regions=True): each decoder layer a compile region (dcp_compile/hf/regions.py).
+    One dense layer and three MoE layers are two kinds: each graph absorbs two sites, not four,
+    and lowers them to the back end's attention; the tokens and logits are transformers'."""
+    result = compare(tiny_model(num_hidden_layers=4, first_k_dense_replace=1), kernels=kernels, regions=True)
+    assert result["tokens_equal"] and result["max_logit_diff"] < 1e-5
+    assert result["graphs"] == 2
+    assert result["pass_summary"]["absorb_mla"] == 2 * result["graphs"]
+    attention = "dcp::mla_attention" if kernels == "torch" else "lower_flashinfer_attention"
+    if kernels == "flashinfer":
+        assert result["pass_summary"][attention] == 2 * result["graphs"]
+    assert result["tokens_stored"] == result["tokens_total"]
+
+
+def test_regions_are_for_transformers_models():
+    from dcp_compile.models.config import preset
+    from dcp_compile.models.mla import MLAModel
+
+    with pytest.raises(ValueError, match=r"regions=True wraps a transformers model's decoder layers.*MLAModel\(regions=True\)"):
+        dcp_compile.apply(MLAModel(preset("tiny"), 64), 1, regions=True)
+
+
 def test_flashinfer_serves_every_prompt_length_from_a_few_graphs(monkeypatch):
     """FlashInfer's plans are sized by each step, so its graphs are symbolic in the batch shape
     as the other back ends' are (they were compiled per prompt length, and the 257th length raised
@@ -226,19 +250,23 @@ def test_a_model_loaded_with_tensor_parallelism_is_refused():
 
 
 @pytest.mark.skipif(not available("kimi-linear"), reason="not in this transformers")
-def test_a_hybrid_model_serves_a_left_padded_batch():
+@pytest.mark.parametrize("regions", [False, True], ids=["plain", "regions"])
+def test_a_hybrid_model_serves_a_left_padded_batch(regions):
     """Kimi-Linear's KDA layers keep a recurrent state that transformers shields from the padding
     with a mask of their own (the padding's hidden states zeroed): the front end hands them that
     mask, and its MLA layers serve each row's length. Prompts of 1, 7 and 20 tokens in one
-    left-padded batch give transformers' tokens and logits (it refused such a batch before)."""
+    left-padded batch give transformers' tokens and logits (it refused such a batch before); with
+    regions, the MLA layers (rope-free here) are one region and the KDA layers run as they are."""
     from tests.hf.test_caches_and_generate import _left_padded
 
     reference = tiny_model(family="kimi-linear")
-    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kv_capacity=256)
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kv_capacity=256, regions=regions)
     _, input_ids, mask = _left_padded((1, 7, 20), vocab=reference.config.vocab_size)
     got, want = (greedy_with(m, input_ids, attention_mask=mask) for m in (model, reference))
     assert torch.equal(got[0], want[0])
     assert float((got[1] - want[1]).abs().max()) < 1e-5
+    if regions:
+        assert {r.sites("absorb_mla") for r in dcp_compile.state(model).reports} == {1}  # two MLA layers, one region
     unmasked = torch.ones_like(mask)  # the same ids unmasked: the padding taken in, other logits
     assert float((greedy_with(reference, input_ids, attention_mask=unmasked)[1] - want[1]).abs().max()) > 1e-3
 

@@ -1,7 +1,7 @@
 """dcp_compile.apply(DeepseekV3ForCausalLM, DeepseekV2ForCausalLM or a family built on DeepSeek's MLA block,
 dcp_size=2) on 2 gloo ranks: generate() returns the untouched model's greedy tokens, each rank stores half of the KV, and the negative controls
-(a perturbed softmax scale, the sharded KV write disabled) fail the same comparison; and V3 at
-dcp_size=4 on 4 ranks. In the same launch (tests/hf/group_steps.py): two interleaved
+(a perturbed softmax scale, the sharded KV write disabled) fail the same comparison; V3 with
+each decoder layer a compile region; and V3 at dcp_size=4 on 4 ranks. In the same launch (tests/hf/group_steps.py): two interleaved
 conversations in caches of their own, classifier-free guidance, sampling after per-rank seeds,
 and steps the ranks disagree on."""
 
@@ -33,6 +33,8 @@ CONTROLS = {"scale+10%": {"scale_factor": 1.1}, "unsharded-write": {"apply": {"d
 BACK_ENDS = {"v3-flashinfer": {"apply": {"kernels": "flashinfer"}}}
 """Back ends that plan on the host, on the CPU: FlashInfer's torch stand-in (its plans, CSR page
 lists and lengths handed to the wrapper as on a GPU)."""
+REGIONS = {"v3-regions": {"apply": {"regions": True}, "overrides": {"num_hidden_layers": 3, "first_k_dense_replace": 1}}}
+"""Each decoder layer a compile region: one dense layer, then two MoE layers (two kinds)."""
 
 
 MATRIX_FAMILIES = ("v3-qlora-rotate-half-yarn", "glm4-moe-lite", "minicpm3", "youtu-eager", "sarvam-mla")
@@ -52,7 +54,7 @@ def launch(request):
     """Every selected case, the controls, the back ends and group_steps in one launch of 2 ranks:
     [rank 0's results, rank 1's]."""
     selected = _selected_matching(request.session)
-    cases = {name: case for name, case in {**MATCHING, **CONTROLS, **BACK_ENDS}.items()
+    cases = {name: case for name, case in {**MATCHING, **CONTROLS, **BACK_ENDS, **REGIONS}.items()
              if (name in selected or name not in MATCHING) and available(case.get("overrides", {}).get("family", "v3"))}
     return cases, spawn(rank_runs, DCP_SIZE, list(cases.values()))
 
@@ -111,6 +113,18 @@ def test_flashinfer_matches_transformers(runs):
             assert after.get("_c10d_functional::all_gather_into_tensor") == LAYERS
     stored = [result["tokens_stored"] for result in runs["v3-flashinfer"]]
     assert sum(stored) == runs["v3-flashinfer"][0]["tokens_total"]
+
+
+def test_regions_match_transformers_with_each_kind_of_layer_rewritten_once(runs):
+    """apply(..., regions=True) at DCP 2: the absorb pass and the replicated-q rewrite run once per
+    kind of layer (dense, MoE) in each graph, not once per layer; every rank gets transformers'
+    tokens and logits, and stores about half of the KV."""
+    for result in runs["v3-regions"]:
+        assert result["tokens_equal"] and result["max_logit_diff"] < 1e-5
+        summary = result["pass_summary"]
+        assert summary["absorb_mla"] == summary["replicated_q_attention"] == summary["shard_kv_write"] == 2 * result["graphs"]
+    stored = [result["tokens_stored"] for result in runs["v3-regions"]]
+    assert sum(stored) == runs["v3-regions"][0]["tokens_total"] and max(stored) < sum(stored)
 
 
 def test_negative_control_perturbed_scale(runs):
