@@ -215,6 +215,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kernels", nargs="+", default=["flashinfer", "triton"])
     parser.add_argument("--no-graphs", action="store_true", help="decode steps without CUDA graph replay")
+    parser.add_argument("--regions", action="store_true",
+                        help="each decoder layer a compile region (apply(..., regions=True)): one compile per kind of layer")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[0],
                         help="apply(..., block_size=) for each back end, side by side (0: the back end's default; "
                              "FlashInfer's plan lists each row's pages on the host every step)")
@@ -242,7 +244,7 @@ def main(argv=None) -> None:
         for block in args.block_sizes:
             ours[f"{kernels}_b{block}" if block else kernels] = dcp_compile.apply(
                 copy.deepcopy(reference), dcp_size=1, kernels=kernels, inner_compile="inductor", kv_capacity=rows_needed,
-                **({"block_size": block} if block else {}))
+                regions=args.regions, **({"block_size": block} if block else {}))
     if not args.no_graphs:
         for model in ours.values():
             model.capture_decode_graphs(batch_sizes=args.batches, max_length=longest)
@@ -254,6 +256,7 @@ def main(argv=None) -> None:
                                                + SHAPE["v_head_dim"]) * 2
     result["run"] = dict(shape=SHAPE, layers=args.layers, new_tokens=args.new_tokens, dtype="bfloat16",
                          kernels=args.kernels, tolerance=args.tolerance, decode_graphs=not args.no_graphs,
+                         regions=args.regions,
                          attention_bytes_per_token_per_layer=dict(transformers_expanded_kv=expanded,
                                                                   dcp_compile_latent=ours_bytes / pool.num_layers,
                                                                   ratio=expanded * pool.num_layers / ours_bytes))

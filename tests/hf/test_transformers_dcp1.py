@@ -67,30 +67,6 @@ def test_flashinfer_matches_transformers():
         assert ops["after"].get("dcp::mla_attention", 0) == 0
 
 
-# FlashInfer's host-fed plans inside regions run by default on the reference model (tests/passes/test_regions.py)
-@pytest.mark.parametrize("kernels", ["torch", pytest.param("flashinfer", marks=pytest.mark.matrix)])
-def test_regions_absorb_each_kind_of_layer_once_and_give_transformers_tokens(kernels):
-    """apply(..., regions=True): each decoder layer a compile region (dcp_compile/hf/regions.py).
-    One dense layer and three MoE layers are two kinds: each graph absorbs two sites, not four,
-    and lowers them to the back end's attention; the tokens and logits are transformers'."""
-    result = compare(tiny_model(num_hidden_layers=4, first_k_dense_replace=1), kernels=kernels, regions=True)
-    assert result["tokens_equal"] and result["max_logit_diff"] < 1e-5
-    assert result["graphs"] == 2
-    assert result["pass_summary"]["absorb_mla"] == 2 * result["graphs"]
-    attention = "dcp::mla_attention" if kernels == "torch" else "lower_flashinfer_attention"
-    if kernels == "flashinfer":
-        assert result["pass_summary"][attention] == 2 * result["graphs"]
-    assert result["tokens_stored"] == result["tokens_total"]
-
-
-def test_regions_are_for_transformers_models():
-    from dcp_compile.models.config import preset
-    from dcp_compile.models.mla import MLAModel
-
-    with pytest.raises(ValueError, match=r"regions=True wraps a transformers model's decoder layers.*MLAModel\(regions=True\)"):
-        dcp_compile.apply(MLAModel(preset("tiny"), 64), 1, regions=True)
-
-
 def test_flashinfer_serves_every_prompt_length_from_a_few_graphs(monkeypatch):
     """FlashInfer's plans are sized by each step, so its graphs are symbolic in the batch shape
     as the other back ends' are (they were compiled per prompt length, and the 257th length raised

@@ -1,0 +1,61 @@
+"""apply(transformers model, dcp_size, regions=True) in one process (dcp_compile/hf/regions.py):
+each attention decoder layer a compile region, so that the absorb pass, the DCP passes and the
+inner compile run once per kind of layer. Against the untouched model's generate(): one dense
+layer and MoE layers (two kinds) on the torch and FlashInfer back ends, and the NPU lowering with
+generate()'s decode steps replayed from NPU graphs on the emulated npu device. DCP 2:
+tests/hf/test_transformers_distributed.py; Kimi-Linear's left-padded batch with regions:
+tests/hf/test_transformers_dcp1.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import dcp_compile  # noqa: E402
+from tests.hf.models import compare, prompt, tiny_model  # noqa: E402
+
+DENSE_THEN_MOE = dict(num_hidden_layers=4, first_k_dense_replace=1)
+
+
+# FlashInfer's host-fed plans inside regions run by default on the reference model (tests/passes/test_regions.py)
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("flashinfer", marks=pytest.mark.matrix)])
+def test_each_kind_of_layer_is_absorbed_once_and_the_tokens_are_transformers(kernels):
+    """One dense layer and three MoE layers are two kinds: each graph absorbs two sites, not
+    four, and lowers them to the back end's attention; the tokens and logits are transformers'."""
+    result = compare(tiny_model(**DENSE_THEN_MOE), kernels=kernels, regions=True)
+    assert result["tokens_equal"] and result["max_logit_diff"] < 1e-5
+    assert result["graphs"] == 2
+    assert result["pass_summary"]["absorb_mla"] == 2 * result["graphs"]
+    if kernels == "flashinfer":
+        assert result["pass_summary"]["lower_flashinfer_attention"] == 2 * result["graphs"]
+    assert result["tokens_stored"] == result["tokens_total"]
+
+
+def test_the_npu_lowering_replays_regional_decode_steps_from_npu_graphs(npu_emulator):
+    """kernels='npu' (FIA's widths, bf16) with regions on the emulated npu device, generate()'s
+    decode steps replayed from NPU graphs: transformers' tokens, every decode step replayed, the
+    three dense layers one absorbed site a graph."""
+    reference = tiny_model(num_hidden_layers=3, first_k_dense_replace=3, kv_lora_rank=512,
+                           qk_rope_head_dim=64).to(torch.bfloat16)
+    input_ids = prompt()
+    model = dcp_compile.apply(copy.deepcopy(reference).to(npu_emulator), dcp_size=1, kernels="npu", regions=True,
+                              block_size=16, kv_capacity=1024)
+    model.capture_decode_graphs(batch_sizes=(1, 2), max_length=64)
+    with torch.no_grad():
+        want = reference.generate(input_ids, max_new_tokens=6, do_sample=False)
+        got = model.generate(input_ids.to(npu_emulator), max_new_tokens=6, do_sample=False).cpu()
+    assert torch.equal(got, want)
+    assert model.decode_graphs.replays == 5
+    assert {r.sites("absorb_mla") for r in dcp_compile.state(model).reports} == {1}
+
+
+def test_regions_are_for_transformers_models():
+    from dcp_compile.models.config import preset
+    from dcp_compile.models.mla import MLAModel
+
+    with pytest.raises(ValueError, match=r"regions=True wraps a transformers model's decoder layers.*MLAModel\(regions=True\)"):
+        dcp_compile.apply(MLAModel(preset("tiny"), 64), 1, regions=True)
