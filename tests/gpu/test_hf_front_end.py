@@ -108,3 +108,18 @@ def test_generate_replays_cuda_graphs_with_transformers_tokens(prompts, kernels,
     graphs = model.decode_graphs
     assert graphs.replays == (len(prompts) + 1) * (NEW_TOKENS - 1)
     assert sorted(key[0] for key in graphs.captured) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("kernels", ["triton", pytest.param("flashinfer", marks=needs_flashinfer)])
+def test_regions_replay_cuda_graphs_with_transformers_tokens(prompts, kernels):
+    """apply(..., regions=True) under inductor in bf16 (one dense, then three MoE layers: two kinds,
+    each compiled once), generate()'s decode steps replayed from CUDA graphs: the untouched
+    model's tokens under the near-tie rule."""
+    reference = tiny_model(**WIDTHS, num_hidden_layers=4, first_k_dense_replace=1).to("cuda", torch.bfloat16)
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, kernels=kernels, inner_compile="inductor",
+                              regions=True)
+    model.capture_decode_graphs(batch_sizes=(1, 2, 3), max_length=WIDTHS["max_position_embeddings"])
+    for input_ids in prompts:
+        _agree(_generate(model, input_ids), _generate(reference, input_ids), BF16_LOGITS)
+    assert model.decode_graphs.replays == len(prompts) * (NEW_TOKENS - 1)
+    assert {r.sites("absorb_mla") for r in dcp_compile.state(model).reports} == {2}
