@@ -143,10 +143,11 @@ class DCPBackend:
             if self.pool is not None:
                 bind_region_pool(region, self.pool, pool_nodes)
             bind_weights(region.module, [])  # its weights differ per call: none to fuse
-            region.module.meta[regions.OUTER_SOURCES] = regions.OuterSources(gm, region)
+            region.module.meta[regions.OUTER_SOURCES] = regions.OuterSources(region)
             captured = {node: i for i, node in enumerate(region.placeholders())}
             common = region.common_operands()
             records += self.manager.run(region.module).records
+            del region.module.meta[regions.OUTER_SOURCES]  # the outer graph changes from here on
             feed = self.lowering.host_feed(region.module, self.parallel.dcp_rank)
             host = {}  # host-fed placeholder: (the outer placeholder, its example)
             if feed is not None:
@@ -158,7 +159,9 @@ class DCPBackend:
             invariant = {node: common[i] for node, i in captured.items()
                          if isinstance(common.get(i), fx.Node) and common[i] not in state}
             invariant.update({node: outer for node, (outer, _) in host.items()})
-            hoisted = regions.hoist_invariants(gm, region, invariant)
+            # A region called once passes every operand alike: moving what it computes from them out
+            # would run the layer's own work as FX code, outside the inner compiler; nothing to share.
+            hoisted = regions.hoist_invariants(gm, region, invariant) if len(region.calls) > 1 else {}
             per_call = region.module.meta.get(PER_CALL_INPUTS, {})
             sources, inputs = [], []
             for node in region.placeholders():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -94,21 +95,56 @@ PASS_ERRORS = (ValueError, TypeError, CacheMisuseError, RewriteError)
 """What the passes raise about the model or the batch: surfaced as they are."""
 
 
-def configure_dynamo() -> None:
-    """Process-wide dynamo settings every compiled step needs: the recompile limits raised, and
-    a compile region called once kept as a region. torch 2.13 inlines an invoke_subgraph with a
-    single call site (inline_single_use_invoke_subgraph), so a model with one layer of a kind (the
-    one dense layer of Kimi-K2 and Moonlight, first_k_dense_replace = 1) gave MLA sites both inside
-    and outside its regions, which the backend refuses. Keeping the call changes nothing a step
-    computes, in this compile or any other of the process."""
+def raise_recompile_limit() -> None:
     config = torch._dynamo.config
     for name, limit in (("recompile_limit", RECOMPILE_LIMIT), ("cache_size_limit", RECOMPILE_LIMIT),
                         ("accumulated_recompile_limit", ACCUMULATED_RECOMPILE_LIMIT),
                         ("accumulated_cache_size_limit", ACCUMULATED_RECOMPILE_LIMIT)):
         if hasattr(config, name) and getattr(config, name) < limit:
             setattr(config, name, limit)
-    if getattr(config, "inline_single_use_invoke_subgraph", False):
-        config.inline_single_use_invoke_subgraph = False
+
+
+class _RegionsKept:
+    """While a compiled step runs (when dynamo may trace it), a compile region called once stays a
+    region. torch 2.13 inlines an invoke_subgraph with a single call site
+    (inline_single_use_invoke_subgraph), so a model with one layer of a kind (the one dense layer
+    of Kimi-K2 and Moonlight, first_k_dense_replace = 1) gave MLA sites both inside and outside
+    its regions, which the backend refuses. Restored after the outermost step: other compiles of
+    the process keep dynamo's setting. Counted, for steps of several models in several threads."""
+
+    NAME = "inline_single_use_invoke_subgraph"
+
+    def __init__(self):
+        self._lock, self._depth, self._saved = threading.Lock(), 0, None
+
+    def __enter__(self):
+        with self._lock:
+            if self._depth == 0:
+                self._saved = getattr(torch._dynamo.config, self.NAME)
+                setattr(torch._dynamo.config, self.NAME, False)
+            self._depth += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                setattr(torch._dynamo.config, self.NAME, self._saved)
+
+
+_REGIONS_KEPT = _RegionsKept() if hasattr(torch._dynamo.config, _RegionsKept.NAME) else None
+
+
+def _keeping_regions(compiled):
+    """`compiled`, called with single-use compile regions kept (where this torch inlines them)."""
+    if _REGIONS_KEPT is None:
+        return compiled
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        with _REGIONS_KEPT:
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 class _Variant:
@@ -132,13 +168,13 @@ class CompiledStep:
 
     def __init__(self, function, state: DCPState, *, too_many_shapes: str,
                  errors: tuple[type[BaseException], ...] = ()):
-        configure_dynamo()
+        raise_recompile_limit()
         self.state = state
         # The static and the symbolic variant share the strategy's backend (its pass manager and
         # reports) through distinct callables: dynamo keys its cache by the backend object, so a
         # static call never reuses a symbolic graph. Made here, so no two threads make one twice.
-        self._compiled = {(name, symbolic): torch.compile(function, backend=_Variant(backend), fullgraph=True,
-                                                          dynamic=False)
+        self._compiled = {(name, symbolic): _keeping_regions(torch.compile(function, backend=_Variant(backend),
+                                                                           fullgraph=True, dynamic=False))
                           for name, backend in state.backends.items() for symbolic in (False, True)}
         self._too_many_shapes = too_many_shapes
         self._errors = PASS_ERRORS + tuple(errors)

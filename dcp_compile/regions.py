@@ -65,13 +65,15 @@ class OuterSources:
     calls pass it depends on, in any call. Computed on demand: a layer's hidden state depends on
     every layer before it, and no pass asks for it."""
 
-    def __init__(self, gm: fx.GraphModule, region: Region):
+    def __init__(self, region: Region):
         self._operands = {holder.name: [region.operand(call, i) for call in region.calls]
                           for i, holder in enumerate(region.placeholders())}
         self._memo: dict[fx.Node, frozenset[str]] = {}
 
     def __call__(self, name: str) -> frozenset[str]:
-        return frozenset().union(*(self._of(v) for v in self._operands.get(name, ())))
+        if name not in self._operands:  # a placeholder a pass added: an input of its own, never allowed by default
+            return frozenset([name])
+        return frozenset().union(*(self._of(v) for v in self._operands[name]))
 
     def _of(self, value) -> frozenset[str]:
         if not isinstance(value, fx.Node):

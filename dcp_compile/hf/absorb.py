@@ -338,6 +338,8 @@ def match_site(view: fx.Node, allowed: frozenset, memo: dict) -> AbsorbSite:
     _expect(_is(k_rope, methods=("expand",)) and _shape(k_rope) == (batch, heads, width, rope_dim), k_rope,
             f"rope.expand(-1, H={heads}, -1, -1)")
     key, key_nodes = _match_key(k_nope, k_rope, nope_dim)
+    for tensor, name in ((latent, "the cached latent"), (k_nope, "the key's nope part"), (key, "the key")):
+        _expect(_sizes_read_by_dim(tensor), tensor, f"{name}'s sizes read by dimension")
     _expect(_shape(key) == (batch, heads, width, nope_dim + rope_dim), key, "a key [B, H, L, n + P]")
 
     output, query, scale, attention_nodes = _match_attention(key, value, allowed, memo)
@@ -354,6 +356,7 @@ def match_site(view: fx.Node, allowed: frozenset, memo: dict) -> AbsorbSite:
     _expect(_shape(view.args[3])[0] == batch * tokens, view, f"one query id per step token (B*T = {batch * tokens})")
     _expect(_shape(output) == (batch, heads, tokens, value_dim), output, f"an attention output [B, H, T, v={value_dim}]")
     query_users = {u for u in query.users if not _is_size_read(u)} - set(attention_nodes)
+    _expect(_sizes_read_by_dim(query), query, "the query's sizes read by dimension")
     _expect(not query_users, query, "the query read only by the attention")
     matched = [view, latent, rope, linear, per_head, heads_first, split, k_nope, value, k_rope, *key_nodes,
                *attention_nodes, *([query] if q_nope is not None else [])]
@@ -408,35 +411,51 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
 
 
 def _replace_size_reads(graph: fx.Graph, site: AbsorbSite, req_to_token: fx.Node) -> None:
-    """Sizes read off the cached latent [B, 1, L, R] (Kimi-Linear's expand_kv reads kv_nope.shape)
-    and off the key's nope part [B, H, L, n] (expand_kv's, traced inside a compile region), read
-    off the page table [B, L] instead, so that the cache read can go."""
+    """Sizes read off the cached latent [B, 1, L, R] (Kimi-Linear's expand_kv reads kv_nope.shape),
+    off the key and its nope part [B, H, L, .] (expand_kv's, traced inside a compile region), read
+    off the page table [B, L] instead, and off the query [B, H, T, n + P] (a cat the rewrite
+    erases), read off its nope part: so that the cache read and the pattern can go."""
     latent = next(u for u in site.view.users if u.args[1] == 0)
-    with graph.inserting_after(site.view):
-        batch, width = size_of(graph, req_to_token, 0), size_of(graph, req_to_token, 1)
-    _replace_sizes(graph, latent, {0: batch, 1: 1, 2: width, 3: site.rank_dim})
+    table = {"B": (req_to_token, 0), "L": (req_to_token, 1)}
+    _replace_sizes(graph, latent, [table["B"], 1, table["L"], site.rank_dim])
     for tensor, dims in site.sized:
-        _replace_sizes(graph, tensor, dict(enumerate({"B": batch, "L": width}.get(d, d) for d in dims)))
-    if site.q_nope is not None:  # the query [B, H, T, n + P], a cat the rewrite erases
-        with graph.inserting_after(site.q_nope):
-            tokens = size_of(graph, site.q_nope, 2)
-        _replace_sizes(graph, site.query, {0: batch, 1: site.heads, 2: tokens, 3: site.nope_dim + site.rope_dim})
+        _replace_sizes(graph, tensor, [table.get(d, d) for d in dims])
+    if site.q_nope is not None:
+        _replace_sizes(graph, site.query, [(site.q_nope, 0), site.heads, (site.q_nope, 2), site.nope_dim + site.rope_dim])
 
 
-def _replace_sizes(graph: fx.Graph, tensor: fx.Node, sizes: dict) -> None:
-    """Every read of `tensor`'s sizes replaced by `sizes` ({dim: a value or graph node})."""
+def _sizes_read_by_dim(tensor: fx.Node) -> bool:
+    """Whether every read of a 4-D tensor's sizes names its dimension (what _replace_sizes rewrites)."""
+    for reader in (u for u in tensor.users if _is_size_read(u)):
+        if _is(reader, methods=("dim",)) or reader.target is torch.ops.aten.sym_size.int:
+            continue
+        if _is(reader, methods=("size",)) and len(reader.args) > 1:
+            if not isinstance(reader.args[1], int):
+                return False
+            continue
+        if not all(item.target is operator.getitem and isinstance(item.args[1], int) for item in reader.users):
+            return False
+    return True
+
+
+def _replace_sizes(graph: fx.Graph, tensor: fx.Node, sizes: list) -> None:
+    """Every read of a 4-D `tensor`'s sizes replaced: sizes[dim] is an int, or (node, dim) whose
+    size it is (read just before each reader)."""
+    def size(dim: int, before: fx.Node):
+        value = sizes[dim % 4]
+        if isinstance(value, int):
+            return value
+        with graph.inserting_before(before):
+            return size_of(graph, *value)
+
     for reader in [u for u in tensor.users if _is_size_read(u)]:
         if _is(reader, methods=("dim",)):
             _replace_value(reader, 4)
-        elif _is(reader, methods=("size",)) and len(reader.args) > 1:
-            _replace_value(reader, sizes[reader.args[1] % 4])
-        elif reader.op == "call_function" and reader.target is torch.ops.aten.sym_size.int:
-            _replace_value(reader, sizes[reader.args[1] % 4])
+        elif _is(reader, methods=("size",)) and len(reader.args) > 1 or reader.target is torch.ops.aten.sym_size.int:
+            _replace_value(reader, size(reader.args[1], reader))
         else:  # x.size() or x.shape, read by index
             for item in list(reader.users):
-                _expect(item.target is operator.getitem and isinstance(item.args[1], int), item,
-                        "the cached latent's shape read by index")
-                _replace_value(item, sizes[item.args[1] % 4])
+                _replace_value(item, size(item.args[1], item))
                 graph.erase_node(item)
         graph.erase_node(reader)
 
@@ -453,7 +472,8 @@ def rewrite_site(graph: fx.Graph, site: AbsorbSite) -> fx.Node:
     heads, nope, value, rank, rope = site.heads, site.nope_dim, site.value_dim, site.rank_dim, site.rope_dim
     with graph.inserting_before(site.output):
         # Sizes as graph values: a symbolic batch or token count is a sym_size node, never a raw SymInt.
-        batch, tokens = size_of(graph, site.query, 0), size_of(graph, site.query, 2)
+        shaped = site.q_nope if site.q_nope is not None else site.query  # the query cat goes: read its part
+        batch, tokens = size_of(graph, shaped, 0), size_of(graph, shaped, 2)
         q_nope, q_rope = site.q_nope, site.q_rope
         if q_nope is None:
             q_nope = call(graph, aten.slice.Tensor, site.query, 3, 0, nope)

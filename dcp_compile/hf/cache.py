@@ -212,6 +212,9 @@ class DCPCache(Cache):
         """Each row's left padding (columns before its first token), set by its first step."""
         self.released = False
         self.placeholder = placeholder
+        self.region_step: StepInputs | None = None
+        """Inside a step traced with compile regions (hf/regions.py): its write and read, made by
+        the first attention layer for every layer."""
         self._length = 0
         """The columns written, on the host: the device counters' mirror (advance())."""
         self._host_view: HostView | None = None

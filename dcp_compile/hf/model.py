@@ -52,7 +52,7 @@ from dcp_compile.hf.absorb import AbsorbError, AbsorbMLA
 from dcp_compile.hf.agreement import GroupAgreement
 from dcp_compile.hf.cache import LINEAR_ATTENTION, DCPCache, step_host_metadata
 from dcp_compile.hf.locations import allocator
-from dcp_compile.hf.regions import wrap_layers
+from dcp_compile.hf.regions import region_layers, wrap_layers
 from dcp_compile.strategy import REPLICATED_Q
 from dcp_compile.runtime import parallel
 from dcp_compile.lowering import registry
@@ -177,9 +177,10 @@ def apply_transformers(model: nn.Module, config: DCPConfig, kv_capacity: int | N
     # the padding with it); the step checks it equals the cache's padding (_read_padding), which
     # the absorbed attention serves as each row's length, so its attention masks may read it.
     absorb = AbsorbMLA(padding_inputs=(PADDING_MASK_INPUT,) if LINEAR_ATTENTION in kinds else ())
-    if regions:
-        wrap_layers(model, _layer_types(text))
-    return DCPTransformersModel(model, DCPState.build(binding, groups, front_end_passes=[absorb]), absorb)
+    wrapped = region_layers(model, _layer_types(text)) if regions else []
+    applied = DCPTransformersModel(model, DCPState.build(binding, groups, front_end_passes=[absorb]), absorb)
+    wrap_layers(wrapped)  # last: a model apply refused is left as it was given
+    return applied
 
 
 class DCPTransformersModel(nn.Module):
@@ -312,7 +313,7 @@ class DCPTransformersModel(nn.Module):
                 out = self._run_step(call)
             except BaseException:
                 if cache is not None:
-                    cache.resync()  # the layers that ran advanced their counters
+                    cache.resync()  # layers that ran may have advanced their counters
                 raise
             if cache is not None:
                 cache.advance((input_ids if input_ids is not None else inputs).shape[1])

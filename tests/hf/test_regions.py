@@ -35,6 +35,45 @@ def test_each_kind_of_layer_is_absorbed_once_and_the_tokens_are_transformers(ker
     assert result["tokens_stored"] == result["tokens_total"]
 
 
+def test_a_step_without_a_cache_runs_the_layers_as_they_are():
+    """use_cache=False at dcp_size 1 (a forward without a cache): the wrapped layers call their own
+    forward, and the logits are transformers'."""
+    reference = tiny_model(**DENSE_THEN_MOE)
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, regions=True)
+    with torch.no_grad():
+        got = model(prompt(), use_cache=False).logits
+        want = reference(prompt(), use_cache=False).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_mask_that_reads_the_tokens_is_left_as_it_is_inside_a_region(monkeypatch):
+    """The absorb pass's rule that an attention mask reads only the cache's own state holds inside
+    a region, whose mask is an input computed outside it: a mask made to depend on the token
+    embeddings (a padding mask would) leaves every layer to transformers' attention at dcp_size 1
+    (at DCP > 1, an AbsorbError), named with the input it reads; the tokens are still transformers'."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    made = modeling_deepseek_v3.create_causal_mask
+
+    def reading_the_tokens(*args, **kwargs):
+        mask, embeds = made(*args, **kwargs), kwargs["inputs_embeds"]
+        if mask is None:  # transformers' own eager steps may skip it
+            return mask
+        same = embeds[:, None, :1, :1] == embeds[:, None, :1, :1]  # all True, but a function of the tokens
+        return mask & same if mask.dtype == torch.bool else mask + 0 * embeds[:, None, :1, :1]
+
+    monkeypatch.setattr(modeling_deepseek_v3, "create_causal_mask", reading_the_tokens)
+    reference = tiny_model(**DENSE_THEN_MOE)
+    model = dcp_compile.apply(copy.deepcopy(reference), dcp_size=1, regions=True)
+    with torch.no_grad():
+        got = model.generate(prompt(), max_new_tokens=3, do_sample=False)
+        want = reference.generate(prompt(), max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, want)
+    assert dcp_compile.state(model).pass_summary()["absorb_mla"] == 0
+    assert model._absorb.left_as_is and all("a mask computed from the cache's lengths only" in why and "input_ids" in why
+                                            for why in model._absorb.left_as_is), model._absorb.left_as_is[:1]
+
+
 def test_the_npu_lowering_replays_regional_decode_steps_from_npu_graphs(npu_emulator):
     """kernels='npu' (FIA's widths, bf16) with regions on the emulated npu device, generate()'s
     decode steps replayed from NPU graphs: transformers' tokens, every decode step replayed, the

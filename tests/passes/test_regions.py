@@ -106,6 +106,8 @@ def test_a_layer_kind_called_once_stays_a_region():
     for got, want in zip(*outputs):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert sites == [{2}, {4}]
+    # kept for the compiled steps only: the process's other compiles keep dynamo's setting
+    assert getattr(torch._dynamo.config, "inline_single_use_invoke_subgraph", True)
 
 
 def test_npu_regions_give_each_layer_its_own_kv_parts_and_skip_what_the_plain_step_skips(npu_emulator):
