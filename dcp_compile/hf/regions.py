@@ -32,6 +32,7 @@ from torch import nn
 
 from dcp_compile.hf.cache import DCPCache, StepInputs, check_compiling, write_and_read
 
+
 class _LayerCache:
     """What a layer's attention sees as its cache inside a region: its own layer's write and read."""
 
