@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from dcp_compile.passes.graph_utils import fake_value, storage_of, written_arguments
+from dcp_compile.passes.graph_utils import InputSources, fake_value, storage_of, written_arguments
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 OUTER_SOURCES = "dcp_region_outer_sources"
@@ -68,34 +68,12 @@ class OuterSources:
     def __init__(self, region: Region):
         self._operands = {holder.name: [region.operand(call, i) for call in region.calls]
                           for i, holder in enumerate(region.placeholders())}
-        self._memo: dict[fx.Node, frozenset[str]] = {}
+        self._outer = InputSources()
 
     def __call__(self, name: str) -> frozenset[str]:
         if name not in self._operands:  # a placeholder a pass added: an input of its own, never allowed by default
             return frozenset([name])
-        return frozenset().union(*(self._of(v) for v in self._operands[name]))
-
-    def _of(self, value) -> frozenset[str]:
-        if not isinstance(value, fx.Node):
-            return frozenset()
-        stack = [value]  # depth-first, without recursion: an outer graph is long
-        while stack:
-            node = stack[-1]
-            if node in self._memo:
-                stack.pop()
-                continue
-            pending = [p for p in node.all_input_nodes if p not in self._memo]
-            if pending:
-                stack.extend(pending)
-                continue
-            stack.pop()
-            if isinstance(node.meta.get("example_value", node.meta.get("val")), (int, torch.SymInt)):
-                self._memo[node] = frozenset()  # a size carries the batch's shape, never its data
-            elif node.op == "placeholder":
-                self._memo[node] = frozenset([node.name])
-            else:
-                self._memo[node] = frozenset().union(*(self._memo[p] for p in node.all_input_nodes))
-        return self._memo[value]
+        return frozenset().union(*(self._outer(v) for v in self._operands[name]))
 
 
 def find_regions(gm: fx.GraphModule) -> list[Region]:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from dcp_compile.ops import targets
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.cache_use import source_line
-from dcp_compile.passes.graph_utils import call, check_replacement, fake_value, size_of
+from dcp_compile.passes.graph_utils import InputSources, call, check_replacement, fake_value, is_size, size_of
 from dcp_compile.regions import OUTER_SOURCES
 
 aten = torch.ops.aten
@@ -95,7 +95,7 @@ def _shape(node) -> tuple:
 
 def _is_size_read(node: fx.Node) -> bool:
     """A use that reads only a tensor's sizes (x.size(), x.shape[i], sym_size), never its values."""
-    return _is_size(node) or _is(node, methods=("size", "dim")) or (
+    return is_size(node) or _is(node, methods=("size", "dim")) or (
         node.op == "call_function" and node.target is getattr and node.args[1:] == ("shape",))
 
 
@@ -156,55 +156,29 @@ def layer_name(node: fx.Node) -> str:
     return f"{path} ({getattr(module_type, '__name__', module_type)})"
 
 
-_OUTER, _PADDING = "outer sources", "padding inputs"
-"""find_sites' memo keys besides nodes: a compile region's regions.OuterSources (None outside a
-region), and the name endings of the padding inputs a mask may read."""
+@dataclass
+class _MaskRule:
+    """What an attention mask over a cache read may depend on: the inputs the graph's cache reads
+    come from (the cache's own state), and the padding inputs the front end checks (names ending
+    in one of `padding`). sources: the inputs a node depends on, traced through a compile region's
+    calls to the step's own (regions.OuterSources)."""
+
+    sources: InputSources
+    allowed: frozenset[str]
+    padding: tuple[str, ...]
+
+    def check(self, mask, at: fx.Node) -> None:
+        _expect(isinstance(mask, fx.Node), at, "an attention mask over the cache read (without one, transformers "
+                "attends to every row of the read, unwritten ones included)")
+        foreign = sorted(name for name in self.sources(mask) - self.allowed if not name.endswith(self.padding))
+        _expect(not foreign, mask, f"a mask computed from the cache's lengths only; it reads the inputs {foreign} (a "
+                "padding mask? dcp_compile takes unpadded batches)")
 
 
-def _placeholders(node, memo: dict) -> frozenset[str]:
-    """The names of the step's inputs a node's value depends on: the graph's placeholders, or in a
-    compile region the outer graph's that its calls pass it (dcp_compile/regions.py). A size (a
-    tensor's shape, static or symbolic) depends on none: it carries the batch's shape, never its
-    data."""
-    if not isinstance(node, fx.Node):
-        return frozenset()
-    if node not in memo:
-        if _is_size(node):
-            memo[node] = frozenset()
-        elif node.op == "placeholder":
-            outer = memo.get(_OUTER)
-            memo[node] = outer(node.name) if outer is not None else frozenset([node.name])
-        else:
-            found = frozenset()
-            for parent in node.all_input_nodes:
-                found |= _placeholders(parent, memo)
-            memo[node] = found
-    return memo[node]
-
-
-def _is_size(node: fx.Node) -> bool:
-    """An int or a symbolic size (a dynamic dimension's value, or one read off a tensor's shape):
-    the shape of a batch, never its padding."""
-    value = node.meta.get("example_value", node.meta.get("val"))
-    return isinstance(value, (int, torch.SymInt))
-
-
-def _check_mask(mask, allowed: frozenset, memo: dict, at: fx.Node) -> None:
-    _expect(isinstance(mask, fx.Node), at, "an attention mask over the cache read (without one, transformers attends "
-            "to every row of the read, unwritten ones included)")
-    foreign = sorted(name for name in _placeholders(mask, memo) - allowed if not name.endswith(memo[_PADDING]))
-    _expect(not foreign, mask, f"a mask computed from the cache's lengths only; it reads the inputs {foreign} (a padding "
-            "mask? dcp_compile takes unpadded batches)")
-
-
-def cache_inputs(views: list[fx.Node], memo: dict) -> frozenset[str]:
+def cache_inputs(views: list[fx.Node], sources: InputSources) -> frozenset[str]:
     """The graph inputs the cache reads' page table, lengths and positions come from (the
     cache's own state): what a mask equal to mla_attention's causal rule may depend on."""
-    found = frozenset()
-    for view in views:
-        for arg in view.args[1:5]:
-            found |= _placeholders(arg, memo)
-    return found
+    return frozenset().union(*(sources(arg) for view in views for arg in view.args[1:5]))
 
 
 def _match_key(k_nope: fx.Node, k_rope: fx.Node, nope_dim: int) -> tuple[fx.Node, list[fx.Node]]:
@@ -248,9 +222,10 @@ def _scale_of_sdpa(node: fx.Node, query_dim: int) -> float:
     return float(scale) if scale is not None else 1.0 / math.sqrt(query_dim)
 
 
-def _match_attention(key: fx.Node, value: fx.Node, allowed: frozenset, memo: dict):
+def _match_attention(key: fx.Node, value: fx.Node, mask_rule: _MaskRule):
     """(attention output, query, scale, nodes) for SDPA or the eager form reading key and value."""
-    users = [u for u in key.users if not (u.op == "call_function" and u.target is operator.getitem) and not _is_size_read(u)]
+    users = [u for u in key.users
+             if not (u.op == "call_function" and u.target is operator.getitem) and not _is_size_read(u)]
     _expect(len(users) == 1, key, "one attention reading the key")
     user = users[0]
     if _is(user, SDPA):
@@ -259,7 +234,7 @@ def _match_attention(key: fx.Node, value: fx.Node, allowed: frozenset, memo: dic
         _expect(_arg(user, 4, "dropout_p", 0.0) == 0.0, user, "dropout_p == 0 (eval)")
         _expect(_arg(user, 5, "is_causal", False) is False, user, "is_causal=False with an explicit mask")
         _expect(not user.kwargs.get("enable_gqa", False), user, "no enable_gqa (MLA has as many key heads as query heads)")
-        _check_mask(_arg(user, 3, "attn_mask"), allowed, memo, user)
+        mask_rule.check(_arg(user, 3, "attn_mask"), user)
         query = user.args[0]
         return user, query, _scale_of_sdpa(user, _shape(query)[-1]), [user]
     transposed = user
@@ -273,7 +248,7 @@ def _match_attention(key: fx.Node, value: fx.Node, allowed: frozenset, memo: dic
             "scores * <literal scale>")
     masked = _only_user(scaled, "scores + mask")
     _expect(_is(masked, (operator.add, torch.add)) and masked.args[0] is scaled, masked, "scores + mask")
-    _check_mask(masked.args[1], allowed, memo, masked)
+    mask_rule.check(masked.args[1], masked)
     softmax = _only_user(masked, "softmax over the keys")
     _expect(_is(softmax, SOFTMAX, ("softmax",)) and _arg(softmax, 1, "dim") in (-1, 3), softmax, "softmax(dim=-1)")
     _expect(softmax.kwargs.get("dtype", _arg(softmax, 3, "dtype")) in (None, torch.float32), softmax,
@@ -295,7 +270,7 @@ def _match_attention(key: fx.Node, value: fx.Node, allowed: frozenset, memo: dic
     return out[0], query, float(scaled.args[1]), nodes
 
 
-def match_site(view: fx.Node, allowed: frozenset, memo: dict) -> AbsorbSite:
+def match_site(view: fx.Node, mask_rule: _MaskRule) -> AbsorbSite:
     """Match the attention over one cache read; raises _Mismatch at the first node that breaks it."""
     rank_dim = view.args[5]
     parts = _getitems(view)
@@ -342,7 +317,7 @@ def match_site(view: fx.Node, allowed: frozenset, memo: dict) -> AbsorbSite:
         _expect(_sizes_read_by_dim(tensor), tensor, f"{name}'s sizes read by dimension")
     _expect(_shape(key) == (batch, heads, width, nope_dim + rope_dim), key, "a key [B, H, L, n + P]")
 
-    output, query, scale, attention_nodes = _match_attention(key, value, allowed, memo)
+    output, query, scale, attention_nodes = _match_attention(key, value, mask_rule)
     tokens = _shape(query)[2]
     _expect(_shape(query) == (batch, heads, tokens, nope_dim + rope_dim), query,
             f"a query [B, H={heads}, T, n + P={nope_dim + rope_dim}]")
@@ -370,14 +345,13 @@ def find_sites(graph: fx.Graph, padding_inputs: tuple[str, ...] = ()) -> tuple[l
     the graph inputs a mask may read besides the cache's state (placeholders whose names end so):
     a padding mask the front end checked equals the cache's own padding at every step."""
     owner = graph.owning_module
-    memo: dict = {_OUTER: owner.meta.get(OUTER_SOURCES) if owner is not None else None,
-                  _PADDING: tuple(padding_inputs)}
-    sites, failures = [], []
+    sources = InputSources(owner.meta.get(OUTER_SOURCES) if owner is not None else None)
     views = [n for n in graph.nodes if n.op == "call_function" and n.target is targets.CACHE_VIEW]
-    allowed = cache_inputs(views, memo)
+    mask_rule = _MaskRule(sources, cache_inputs(views, sources), tuple(padding_inputs))
+    sites, failures = [], []
     for view in views:
         try:
-            sites.append(match_site(view, allowed, memo))
+            sites.append(match_site(view, mask_rule))
         except _Mismatch as mismatch:
             failures.append((view, mismatch))
     return sites, failures
@@ -421,7 +395,8 @@ def _replace_size_reads(graph: fx.Graph, site: AbsorbSite, req_to_token: fx.Node
     for tensor, dims in site.sized:
         _replace_sizes(graph, tensor, [table.get(d, d) for d in dims])
     if site.q_nope is not None:
-        _replace_sizes(graph, site.query, [(site.q_nope, 0), site.heads, (site.q_nope, 2), site.nope_dim + site.rope_dim])
+        query_dims = [(site.q_nope, 0), site.heads, (site.q_nope, 2), site.nope_dim + site.rope_dim]
+        _replace_sizes(graph, site.query, query_dims)
 
 
 def _sizes_read_by_dim(tensor: fx.Node) -> bool:

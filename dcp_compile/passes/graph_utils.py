@@ -114,6 +114,45 @@ def is_fake_result(value) -> bool:
 _CALL_RESULTS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 
 
+def is_size(node: fx.Node) -> bool:
+    """An int or a symbolic size (a dynamic dimension's value, or one read off a tensor's shape):
+    the shape of a batch, never its data."""
+    return isinstance(node.meta.get("example_value", node.meta.get("val")), (int, torch.SymInt))
+
+
+class InputSources:
+    """sources(node) -> the names of the graph inputs its value depends on (a size depends on none),
+    memoized and walked without recursion (a step's graph is long). resolve(name): what a
+    placeholder stands for (a compile region's: the outer graph's inputs its calls pass it,
+    dcp_compile/regions.py); by default its own name."""
+
+    def __init__(self, resolve=None):
+        self._resolve = resolve or (lambda name: frozenset([name]))
+        self._memo: dict[fx.Node, frozenset[str]] = {}
+
+    def __call__(self, value) -> frozenset[str]:
+        if not isinstance(value, fx.Node):
+            return frozenset()
+        stack = [value]
+        while stack:
+            node = stack[-1]
+            if node in self._memo:
+                stack.pop()
+                continue
+            pending = [p for p in node.all_input_nodes if p not in self._memo and not is_size(node)]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            if is_size(node):
+                self._memo[node] = frozenset()
+            elif node.op == "placeholder":
+                self._memo[node] = self._resolve(node.name)
+            else:
+                self._memo[node] = frozenset().union(*(self._memo[p] for p in node.all_input_nodes))
+        return self._memo[value]
+
+
 def call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
     """Insert call_function(target) at the graph's insertion point and set meta['val'] by
     running target on the arguments' fake values.
