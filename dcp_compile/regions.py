@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from dcp_compile.passes.graph_utils import InputSources, fake_value, storage_of, written_arguments
+from dcp_compile.passes.graph_utils import InputSources, fake_value, propagate_fake, storage_of, written_arguments
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 OUTER_SOURCES = "dcp_region_outer_sources"
@@ -110,7 +110,7 @@ def adopt_fake_mode(region: Region, mode) -> None:
     if mode is None or all(not isinstance(v, FakeTensor) or v.fake_mode is mode for v in examples(region)):
         return
     inputs = [_in_mode(v, mode) for v in examples(region)]
-    FakeTensorProp(region.module, mode).propagate_dont_convert_inputs(*inputs)
+    propagate_fake(FakeTensorProp(region.module, mode), inputs)
     for node in region.module.graph.nodes:
         if "val" in node.meta:
             node.meta["example_value"] = node.meta["val"]

@@ -185,6 +185,13 @@ def call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
     return node
 
 
+def propagate_fake(prop, inputs) -> None:
+    """Every node's fake value through `prop` (a FakeTensorProp) from fake `inputs`, under the
+    Python dispatcher for the reason fake_call gives (FakeTensorProp enters only its mode)."""
+    with enable_python_dispatcher():
+        prop.propagate_dont_convert_inputs(*inputs)
+
+
 def same_shape(a, b) -> bool:
     """Whether two shapes are provably equal, static or symbolic, without adding a guard (a
     compare of SymInts would specialise the graph on its outcome)."""

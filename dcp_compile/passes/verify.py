@@ -20,7 +20,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import (UncacheableValue, fake_mode_of, fake_signature, fake_value, is_fake_result,
-                                            mutated_inputs, same_shape, written_arguments)
+                                            mutated_inputs, propagate_fake, same_shape, written_arguments)
 
 CAPTURED_MUTATIONS = "dcp_captured_mutations"
 """gm.meta key: names of the inputs the graph wrote as captured, before any pass ran."""
@@ -118,7 +118,7 @@ class Verify(GraphPass):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         expected = {n: fake_value(n) for n in gm.graph.nodes}
         inputs = [fake_value(n) for n in placeholders]
-        _SharedFakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+        propagate_fake(_SharedFakeTensorProp(gm, mode), inputs)
         checked = 0
         for node in gm.graph.nodes:
             got = node.meta.get("val")

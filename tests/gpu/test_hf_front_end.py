@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 import dcp_compile  # noqa: E402
 from tests.hf.models import agree_near_ties as _agree  # noqa: E402
-from tests.hf.models import tiny_model  # noqa: E402
+from tests.hf.models import one_region_per_kind, tiny_model  # noqa: E402
 
 WIDTHS = dict(hidden_size=256, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
               qk_nope_head_dim=128, v_head_dim=128, vocab_size=256, max_position_embeddings=512,
@@ -122,4 +122,4 @@ def test_regions_replay_cuda_graphs_with_transformers_tokens(prompts, kernels):
     for input_ids in prompts:
         _agree(_generate(model, input_ids), _generate(reference, input_ids), BF16_LOGITS)
     assert model.decode_graphs.replays == len(prompts) * (NEW_TOKENS - 1)
-    assert {r.sites("absorb_mla") for r in dcp_compile.state(model).reports} == {2}
+    assert one_region_per_kind([r.sites("absorb_mla") for r in dcp_compile.state(model).reports], kinds=2)
