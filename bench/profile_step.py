@@ -29,7 +29,7 @@ from bench import step as step_bench
 from bench.lib import result as results
 from bench.lib import tables
 from bench.lib.cases import shared_kv_allocate
-from bench.lib.timing import require_cuda, timed_first_call
+from bench.lib.timing import compile_phases, require_cuda, timed_first_call
 from dcp_compile.runtime import parallel
 from dcp_compile.runtime.kv_pool import MLAKVPool
 from dcp_compile.runtime.launch import init_from_env
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
                                         lambda fn: timed_first_call(fn, device))
             row = {"k": k, "batch": batch, "context": context, "compile_seconds": first}
             if index == 0:
-                row["compile_phases_seconds"] = _phases()
+                row["compile_phases_seconds"] = compile_phases()
             row["step"] = step_bench.run_case(compiled, batch, context, k, width, device,
                                               lambda fn: summarise(profile(fn, device, args.replays), cfg.num_layers,
                                                                    args.top))
@@ -212,12 +212,6 @@ def main(argv=None) -> int:
     print(f"wrote {args.out} in {time.time() - started:.0f} s")
     dist.destroy_process_group()
     return 0
-
-
-def _phases() -> dict:
-    """Seconds per compile phase so far (dynamo's own accounting)."""
-    from torch._dynamo.utils import compilation_time_metrics
-    return {name: sum(values) for name, values in compilation_time_metrics.items()}
 
 
 if __name__ == "__main__":

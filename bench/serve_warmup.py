@@ -42,7 +42,7 @@ import torch.distributed as dist
 import dcp_compile
 from bench.lib import result as results
 from bench.lib.cases import fill_random, host_metadata, page_size, shared_kv_allocate, stack_batch
-from bench.lib.timing import require_cuda
+from bench.lib.timing import compile_phases, require_cuda
 from bench.step import fresh_inductor_cache, model_config
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import parallel
@@ -158,8 +158,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def warm_compile(args) -> float:
-    """The first-ready seconds of a second process, inductor's on-disk caches kept."""
+def warm_compile(args) -> dict:
+    """The first-ready seconds of a second process, inductor's on-disk caches kept, and its
+    compile's seconds by phase."""
     command = [sys.executable, "-m", "bench.serve_warmup", "--warm-child", "--out", os.devnull,
                "--kernels", args.kernels, "--inner-compile", args.inner_compile, "--context", str(args.context),
                "--layers", str(args.layers), "--decode-sizes", ",".join(map(str, args.decode_sizes)),
@@ -169,7 +170,7 @@ def warm_compile(args) -> float:
     if args.smoke:
         command.append("--smoke")
     done = subprocess.run(command, check=True, capture_output=True, text=True, env=child_env(), timeout=900)
-    return json.loads(done.stdout.strip().splitlines()[-1])["first_ready_seconds"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run(args, device, result: dict) -> None:
@@ -266,14 +267,17 @@ def main(argv=None) -> int:
     MLAKVPool._allocate = shared_kv_allocate
     try:
         if args.warm_child:
-            print(json.dumps({"first_ready_seconds": first_ready_seconds(args, device)}), flush=True)
+            ready = first_ready_seconds(args, device)
+            print(json.dumps({"first_ready_seconds": ready, "phases_seconds": compile_phases()}), flush=True)
             dist.destroy_process_group()
             return 0
         result = results.start("serve_warmup", argv, device)
         run(args, device, result)
         results.write(result, args.out)  # before the warm child: a failure there keeps the cold run
         if not args.no_warm and results.rows(result):
-            result["run"]["warm_compile_seconds"] = warm_compile(args)
+            warm = warm_compile(args)
+            result["run"].update(warm_compile_seconds=warm["first_ready_seconds"],
+                                 warm_compile_phases_seconds=warm["phases_seconds"])
         result["run"]["targets"] = TARGETS
         results.write(result, args.out)
     finally:

@@ -78,6 +78,12 @@ def timed_first_call(fn, device) -> float:
     return time.perf_counter() - started
 
 
+def compile_phases() -> dict:
+    """Seconds per compile phase so far in this process (dynamo's own accounting)."""
+    from torch._dynamo.utils import compilation_time_metrics
+    return {name: sum(values) for name, values in compilation_time_metrics.items()}
+
+
 def slowest(seconds: float, device) -> float:
     """The largest of every rank's `seconds`."""
     t = torch.tensor([seconds], dtype=torch.float64, device=device)

@@ -33,4 +33,5 @@ def test_serve_warmup_smoke_captures_every_size_from_few_compiles(tmp_path):
     assert run["recompiles"] == 0  # a size of 1 too, from the graph compiled at the largest size
     assert run["failures"] == []
     assert run["compile_seconds"] == rows[0]["capture_seconds"] and run["warm_compile_seconds"] > 0
+    assert sum(run["warm_compile_phases_seconds"].values()) > 0  # dynamo's phases of the warm compile
     assert run["ready_seconds"] >= sum(r["capture_seconds"] for r in rows)
