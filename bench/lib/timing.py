@@ -78,10 +78,14 @@ def timed_first_call(fn, device) -> float:
     return time.perf_counter() - started
 
 
-def compile_phases() -> dict:
-    """Seconds per compile phase so far in this process (dynamo's own accounting)."""
+def compile_phases(clear: bool = False) -> dict:
+    """Seconds per compile phase so far in this process (dynamo's own accounting); with `clear`,
+    the account starts anew after it is read."""
     from torch._dynamo.utils import compilation_time_metrics
-    return {name: sum(values) for name, values in compilation_time_metrics.items()}
+    phases = {name: sum(values) for name, values in compilation_time_metrics.items()}
+    if clear:
+        compilation_time_metrics.clear()
+    return phases
 
 
 def slowest(seconds: float, device) -> float:
