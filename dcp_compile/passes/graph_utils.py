@@ -139,7 +139,7 @@ class InputSources:
             if node in self._memo:
                 stack.pop()
                 continue
-            pending = [p for p in node.all_input_nodes if p not in self._memo and not is_size(node)]
+            pending = [] if is_size(node) else [p for p in node.all_input_nodes if p not in self._memo]
             if pending:
                 stack.extend(pending)
                 continue
@@ -187,7 +187,7 @@ def call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
 
 def propagate_fake(prop, inputs) -> None:
     """Every node's fake value through `prop` (a FakeTensorProp) from fake `inputs`, under the
-    Python dispatcher for the reason fake_call gives (FakeTensorProp enters only its mode)."""
+    Python dispatcher for the reason `call` gives (FakeTensorProp enters only its mode)."""
     with enable_python_dispatcher():
         prop.propagate_dont_convert_inputs(*inputs)
 
