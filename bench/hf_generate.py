@@ -18,7 +18,8 @@ calls after a warm-up call. A back end's error (a kernel's limit) is recorded in
 Tokens are compared under the near-tie rule (tests/gpu/test_hf_front_end.py) with transformers'
 default generate() (dynamic cache, eager), and also with its compiled static-cache run
 (`*_vs_static`; that run parted from fp32 by 4.5 at one step on an H100). --fp32-check measures
-each side against an fp32 copy, --profile each side's device busy time per token (the latency
+each side against an fp32 copy (and, where a side's tokens part from the eager run's, which of
+the two tokens fp32 prefers), --profile each side's device busy time per token (the latency
 less it is host time the GPU waited for), --host-profile our host functions per token. The KV
 bytes per token are each cache's allocated bytes over its token slots.
 """
@@ -159,6 +160,27 @@ def decode_vs_fp32(exact_model, out, steps: int) -> list[float]:
     return diffs
 
 
+def flips_vs_fp32(exact_model, got, want) -> list[dict]:
+    """Where two generate() outputs part, which of them an fp32 forward agrees with. For each row's
+    first differing token: the fp32 logits over the tokens both share up to it, and how far each
+    side's token falls short of fp32's best there (0.0: fp32's own choice)."""
+    prompt = got.sequences.shape[1] - len(got.logits)
+    flips = []
+    with torch.no_grad():
+        for row in range(got.sequences.shape[0]):
+            differ = (got.sequences[row, prompt:] != want.sequences[row, prompt:]).nonzero()
+            if not len(differ):
+                continue
+            step = int(differ[0])
+            shared = got.sequences[row : row + 1, : prompt + step]
+            exact = exact_model(shared, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+            ours, theirs = int(got.sequences[row, prompt + step]), int(want.sequences[row, prompt + step])
+            best = float(exact.max())
+            flips.append(dict(row=row, step=step, ours_short_of_fp32_best=best - float(exact[ours]),
+                              theirs_short_of_fp32_best=best - float(exact[theirs])))
+    return flips
+
+
 def near_tie(got, want, tolerance: float) -> dict:
     """Tokens under the near-tie rule: rows may part only where transformers' two candidates are
     within 2 x tolerance; the largest logit difference before each row's first flip."""
@@ -221,8 +243,9 @@ def main(argv=None) -> None:
                         help="apply(..., block_size=) for each back end, side by side (0: the back end's default; "
                              "FlashInfer's plan lists each row's pages on the host every step)")
     parser.add_argument("--fp32-check", action="store_true",
-                        help="at batch 1, the prefill's logits of transformers (bf16) and of each back end against an "
-                             "fp32 copy of the model")
+                        help="against an fp32 copy of the model: at batch 1, the prefill's and first decode steps' "
+                             "logits of transformers (bf16) and of each back end; at every batch, where a side's tokens "
+                             "part from transformers' eager generate(), which token fp32 prefers")
     parser.add_argument("--profile", action="store_true",
                         help="the device's busy time per decode token (torch.profiler) of each side, and its top kernels")
     parser.add_argument("--host-profile", action="store_true",
@@ -286,9 +309,11 @@ def main(argv=None) -> None:
             row.update({f"{key}_static_vs_eager": value for key, value in near_tie(want, eager, args.tolerance).items()})
             if profiled:
                 row["transformers_device_busy_s"] = row_profile["transformers"]["busy_s"]
-            exact = None
-            if args.fp32_check and batch == 1:  # who is off where bf16 results part: both against fp32
+            exact = exact_model = None
+            if args.fp32_check:  # who is off where bf16 results part: each side against fp32
                 exact_model = fp32_copy(reference)
+                row["flips_vs_fp32_static"] = flips_vs_fp32(exact_model, want, eager)
+            if args.fp32_check and batch == 1:
                 exact = first_logits(exact_model, input_ids)
                 row["transformers_bf16_vs_fp32"] = float((first_logits_of(want) - exact).abs().max())
                 row["transformers_decode_vs_fp32"] = decode_vs_fp32(exact_model, want, args.fp32_steps)
@@ -303,6 +328,8 @@ def main(argv=None) -> None:
                 row.update({f"{key}_{kernels}": value for key, value in near_tie(got, eager, args.tolerance).items()})
                 row.update({f"{key}_{kernels}_vs_static": value
                             for key, value in near_tie(got, want, args.tolerance).items()})
+                if exact_model is not None:
+                    row[f"flips_vs_fp32_{kernels}"] = flips_vs_fp32(exact_model, got, eager)
                 if exact is not None:
                     row[f"dcp_{kernels}_vs_fp32"] = float((first_logits_of(got) - exact).abs().max())
                     row[f"dcp_{kernels}_decode_vs_fp32"] = decode_vs_fp32(exact_model, got, args.fp32_steps)
@@ -315,8 +342,7 @@ def main(argv=None) -> None:
                 row[f"replays_{kernels}"] = model.decode_graphs.replays if model.decode_graphs else 0
             if profiled:
                 row["profile"] = row_profile
-            if exact is not None:
-                del exact_model
+            del exact_model
             row["wall_s"] = time.perf_counter() - started
             results.add(result, results.MAIN, row)
             print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
