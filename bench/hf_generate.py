@@ -43,11 +43,13 @@ SHAPE = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, q
              eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
-def build(layers: int, max_positions: int):
+def build(layers: int, max_positions: int, dense: bool = False):
+    """The bf16 model on the GPU; dense: every layer's MLP dense (no MoE router)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    config = DeepseekV3Config(num_hidden_layers=layers, max_position_embeddings=max_positions, **SHAPE)
+    shape = dict(SHAPE, first_k_dense_replace=layers) if dense else SHAPE
+    config = DeepseekV3Config(num_hidden_layers=layers, max_position_embeddings=max_positions, **shape)
     config._attn_implementation = "sdpa"
     with torch.device("cuda"):
         model = DeepseekV3ForCausalLM(config).to(torch.bfloat16).eval()
@@ -239,6 +241,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-graphs", action="store_true", help="decode steps without CUDA graph replay")
     parser.add_argument("--regions", action="store_true",
                         help="each decoder layer a compile region (apply(..., regions=True)): one compile per kind of layer")
+    parser.add_argument("--dense-mlp", action="store_true",
+                        help="every layer's MLP dense: no MoE router, whose top-k choice a bf16 rounding can flip")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[0],
                         help="apply(..., block_size=) for each back end, side by side (0: the back end's default; "
                              "FlashInfer's plan lists each row's pages on the host every step)")
@@ -259,7 +263,7 @@ def main(argv=None) -> None:
 
     result = results.start("hf_generate", argv, torch.device("cuda"))
     longest = max(args.contexts) + args.new_tokens
-    reference = build(args.layers, longest + 1)
+    reference = build(args.layers, longest + 1, args.dense_mlp)
     page = max(args.block_sizes + [1])  # at dcp_size 1 a page is one block; a cache takes whole pages
     rows_needed = max(args.batches) * -(-longest // page) * page + page
     ours = {}
@@ -279,7 +283,7 @@ def main(argv=None) -> None:
                                                + SHAPE["v_head_dim"]) * 2
     result["run"] = dict(shape=SHAPE, layers=args.layers, new_tokens=args.new_tokens, dtype="bfloat16",
                          kernels=args.kernels, tolerance=args.tolerance, decode_graphs=not args.no_graphs,
-                         regions=args.regions,
+                         regions=args.regions, dense_mlp=args.dense_mlp,
                          attention_bytes_per_token_per_layer=dict(transformers_expanded_kv=expanded,
                                                                   dcp_compile_latent=ours_bytes / pool.num_layers,
                                                                   ratio=expanded * pool.num_layers / ours_bytes))
