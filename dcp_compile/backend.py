@@ -151,6 +151,7 @@ class DCPBackend:
             feed = self.lowering.host_feed(region.module, self.parallel.dcp_rank)
             host = {}  # host-fed placeholder: (the outer placeholder, its example)
             if feed is not None:
+                feed.share([earlier for _, earlier in feeds])
                 self.host_slot.feed(feed)
                 made = regions.add_outer_inputs(
                     gm, [f"{region.name}_host_{i}" for i in range(len(feed.examples()))], feed.examples())

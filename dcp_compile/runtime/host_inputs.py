@@ -251,6 +251,11 @@ class HostFeed:
     def prepare(self, host: RankHostMetadata) -> None:
         """Host work before the graph runs or replays for this step (none by default)."""
 
+    def share(self, earlier: list["HostFeed"]) -> None:
+        """Feeds of other graphs that run in every step this one runs in (the compile regions of
+        one step, dcp_compile/regions.py), made before it: a lowering whose host work they can
+        share takes it from them (none by default)."""
+
     def lists(self, host: RankHostMetadata) -> dict[str, list[int]]:
         """Host lists of the lowering's own kinds, served as the generic ones are: an element by
         index as a host int, or the whole list as one device tensor (index None)."""

@@ -129,6 +129,10 @@ class FlashInferPlan:
         self.wrapper = None
         self.planned_host: RankHostMetadata | None = None
         """The host metadata of the last plan()."""
+        self._planned_csr: tuple[torch.Tensor, ...] | None = None
+        """The CSR metadata the wrapper was last planned with (host copies)."""
+        self.wrapper_plans = 0
+        """FlashInfer plan() calls made (a plan() whose metadata equals the last one's makes none)."""
         self._staged: torch.cuda.Event | None = None
 
     def _make_wrapper(self):
@@ -162,6 +166,12 @@ class FlashInferPlan:
         qo_indptr = torch.cat([zero, torch.tensor(query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
         kv_indptr = torch.cat([zero, blocks.cumsum(0, dtype=torch.int32)])
         kv_indices = table.to(torch.int32)[used]
+        csr = (qo_indptr, kv_indptr, kv_indices, kv)
+        if self._planned_csr is not None and all(map(torch.equal, csr, self._planned_csr)):
+            # The wrapper holds this plan already: several compile regions' graphs of one step
+            # share their plans (FlashInferFeed.share), and a plan is a function of its CSR.
+            self.planned_host = host
+            return
         if self.wrapper is None:
             self.wrapper = self._make_wrapper()
         _, metadata_class = wrapper_api(spec.device)
@@ -178,7 +188,8 @@ class FlashInferPlan:
         if spec.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record()
-        self.planned_host = host
+        self.planned_host, self._planned_csr = host, csr
+        self.wrapper_plans += 1
 
     def check_planned(self, host: RankHostMetadata) -> None:
         """Raise if the last plan was not made for this step's lengths (debug mode)."""
@@ -250,6 +261,14 @@ class FlashInferFeed(HostFeed):
             return
         for plan in self.plans:
             plan.plan(host)
+
+    def share(self, earlier: list[HostFeed]) -> None:
+        """Take the plans of an earlier FlashInfer feed of the same step (another compile region's
+        graph): every region of a kind of plan then reads one plan, made once a step."""
+        for feed in earlier:
+            if isinstance(feed, FlashInferFeed):
+                self._sized, self._captured = feed._sized, feed._captured
+                return
 
     def _plan(self, spec: PlanSpec, capturing: bool) -> FlashInferPlan:
         plan = self._captured.get(spec) or self._sized.pop(spec, None) or FlashInferPlan(spec)
