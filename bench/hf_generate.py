@@ -165,7 +165,8 @@ def decode_vs_fp32(exact_model, out, steps: int) -> list[float]:
 def flips_vs_fp32(exact_model, got, want) -> list[dict]:
     """Where two generate() outputs part, which of them an fp32 forward agrees with. For each row's
     first differing token: the fp32 logits over the tokens both share up to it, and how far each
-    side's token falls short of fp32's best there (0.0: fp32's own choice)."""
+    side's token falls short of fp32's best there (0.0: fp32's own choice); "ours" is `got`'s
+    token (the side measured, transformers' static run included), "theirs" `want`'s."""
     prompt = got.sequences.shape[1] - len(got.logits)
     flips = []
     with torch.no_grad():

@@ -4,7 +4,8 @@ A `FlashInferPlan` owns a `BatchMLAPagedAttentionWrapper` in CUDA-graph mode: it
 buffers (qo_indptr, kv_indptr, kv_indices, kv_len_arr) are allocated once, for one batch size
 (rows, query tokens, block-table width), and `plan()` copies each step's values into them, so a
 captured `run()` reads the current step's metadata. Every layer of a graph runs the same plan:
-it is made once per step, before the graph runs or replays, by the graph's `FlashInferFeed`.
+it is made once per step, before the graph runs or replays, by the graph's `FlashInferFeed`, and
+the compile regions' graphs of one step share theirs (`FlashInferFeed.share`).
 A graph's plan is sized by the step, not by the graph: the graph holds each kind of plan as a
 `PlanSpec` without sizes, and its feed keeps one plan per kind and batch size, so one graph
 compiled symbolic in the batch shape serves every size (and a device graph captured at a size
