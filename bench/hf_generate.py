@@ -294,6 +294,9 @@ def main(argv=None) -> None:
         for batch in args.batches:
             input_ids = torch.randint(0, SHAPE["vocab_size"], (batch, context), generator=generator).cuda()
             started = time.perf_counter()
+            # transformers sizes a static cache at least as long as the model's last one (to spare a
+            # recompile): without this a 4k row after a 16k one timed a 16k-long cache
+            reference.__dict__.pop("_previous_max_cache_length", None)
             theirs, want = per_token(reference, input_ids, args.new_tokens, args.repeats,
                                      cache_implementation="static")
             # The tokens' reference: transformers' default generate() (dynamic cache, no compile). Its
