@@ -31,3 +31,4 @@ for part in $parts; do
     dcp-step) timeout "${DCP_STEP_S:-420}" torchrun --nproc-per-node 2 -m bench.dcp_step --out "$out/dcp_step.json" ${DCP_STEP_ARGS:-} 2>&1 | tee "$out/dcp_step.log" | grep -v "^W1" | tail -60 ;;
   esac
 done
+python3 -m bench.lib.result "$out"  # no paths of the device machine in what comes back (bench/lib/result.py)

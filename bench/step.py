@@ -128,11 +128,13 @@ def step_work(cfg, weights: tuple[int, int], k: int, batch: int, context: int) -
     return {"weight_bytes": weights[0], "kv_bytes": kv_bytes, "flops": flops}
 
 
-def fresh_inductor_cache() -> str:
-    """An empty inductor cache for this run, so the first compile is cold (unless one was set)."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dcp_step_inductor_")
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+def fresh_inductor_cache() -> bool:
+    """An empty inductor cache for this run, so the first compile is cold, unless one was set
+    (TORCHINDUCTOR_CACHE_DIR): whether the cache is this run's own empty one."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return False
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dcp_step_inductor_")
+    return True
 
 
 def skinny_of(config) -> str:
@@ -297,7 +299,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("WORLD_SIZE", "1")
     else:
         require_cuda("bench.step")
-        fresh_inductor_cache()
+    fresh_cache = None if args.smoke else fresh_inductor_cache()
     rank, world = init_from_env("gloo" if args.smoke else "nccl")
     if world != 1:
         raise SystemExit(f"bench.step runs on one GPU (torchrun --nproc-per-node 1 -m bench.step), got {world} ranks")
@@ -311,7 +313,7 @@ def main(argv=None) -> int:
                        "heads": cfg.num_heads, "kv_lora_rank": cfg.kv_lora_rank, "rope_dim": cfg.qk_rope_head_dim,
                        "intermediate_size": 2048, "vocab_size": cfg.vocab_size, "dtype": "bfloat16",
                        "page_size": page_size(1), "draft": args.draft, "repeats_per_graph": args.repeats},
-               inductor_cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+               inductor_cache_fresh=fresh_cache)
     run.update(measure_rates(args, device))
 
     def save() -> None:

@@ -16,6 +16,10 @@ started with.
 
 Results committed before this schema (each script had a layout of its own) are read through
 `upgrade`, which moves every figure of the old layout into this one; the files stay as recorded.
+
+A result names no path of the machine it ran on (`portable`, applied by `write`): a path in the
+repository becomes relative to it, one in an installed package `<site-packages>/...`, and any other
+absolute path `<local>/` and its last part (an output folder, a cache, a temporary directory).
 """
 
 from __future__ import annotations
@@ -66,7 +70,28 @@ def parts(result: dict) -> list[str]:
 
 def write(result: dict, path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    Path(path).write_text(portable(json.dumps(result, indent=1, default=str)) + "\n")
+
+
+REPO = Path(__file__).resolve().parents[2]
+_ABSOLUTE = re.compile(r"(?:(?<=file://)|(?<![\w.<>/-]))/(?:[\w.+-]+/)*[\w.+-]+/?")
+"""An absolute path in text: a '/' that no word, dot, angle bracket or slash comes right before
+(not a relative path's inner '/', nor a web URL's '//'), or a file URL's path."""
+
+
+def portable(text: str) -> str:
+    """`text` without paths of this machine (see the module's docstring)."""
+    def local(match: re.Match) -> str:
+        path = match.group(0)
+        if path == "/":
+            return path
+        if Path(path).is_relative_to(REPO):
+            return str(Path(path).relative_to(REPO)) or "."
+        if "/site-packages/" in path:
+            return "<site-packages>/" + path.split("/site-packages/", 1)[1]
+        return "<local>/" + path.rstrip("/").rsplit("/", 1)[-1]
+
+    return _ABSOLUTE.sub(local, text)
 
 
 def read(path) -> dict:
@@ -181,3 +206,24 @@ def _old_benchmark(raw: dict) -> str | None:
         if found:
             return found.group(1)
     return None
+
+
+def make_portable(paths) -> list[Path]:
+    """Rewrite the text files at `paths` (a folder: every file under it) through `portable`, as a
+    device call's logs are before they are committed; returns the files changed."""
+    files = [f for p in map(Path, paths) for f in ([p] if p.is_file() else sorted(p.rglob("*"))) if f.is_file()]
+    changed = []
+    for path in files:
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:  # a plot
+            continue
+        if portable(text) != text:
+            path.write_text(portable(text))
+            changed.append(path)
+    return changed
+
+
+if __name__ == "__main__":  # python -m bench.lib.result FILE_OR_FOLDER...
+    for changed in make_portable(sys.argv[1:]):
+        print(f"no local paths left in {changed}")

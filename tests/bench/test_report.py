@@ -66,6 +66,27 @@ def test_a_new_result_records_the_command_and_the_parts():
     assert results.parts(result) == ["attention", "cases"] and result["versions"]["torch"]
 
 
+def test_a_written_result_names_no_path_of_its_machine(tmp_path):
+    """write() keeps a path in the repository relative to it, an installed package's under
+    <site-packages>, and any other absolute path as <local>/ and its last part."""
+    result = results.start("step", ["--out", "/root/out/r/step.json", "--table", str(ROOT / "bench/results/x.json")])
+    result["run"].update(cache="/tmp/dcp_step_inductor_k0sfqx7s", warning="/opt/venv/lib/python3.12/site-packages/torch/x.py:3",
+                         url="https://example.org/a/b", ratio="3/4")
+    results.write(result, tmp_path / "step.json")
+    written = json.loads((tmp_path / "step.json").read_text())
+    assert written["command"].endswith("-m bench.step --out <local>/step.json --table bench/results/x.json")
+    assert written["run"] == dict(cache="<local>/dcp_step_inductor_k0sfqx7s", warning="<site-packages>/torch/x.py:3",
+                                  url="https://example.org/a/b", ratio="3/4")
+
+
+def test_no_committed_result_or_log_names_a_path_of_its_machine():
+    texts = {path: path.read_text() for path in sorted((ROOT / "bench" / "results").rglob("*"))
+             if path.is_file() and path.suffix != ".png"}
+    assert len(texts) > 50
+    local = [str(path.relative_to(ROOT)) for path, text in texts.items() if results.portable(text) != text]
+    assert not local, f"local paths in {local}: python -m bench.lib.result bench/results rewrites them"
+
+
 def test_the_report_prints_the_speed_targets_across_two_results():
     done = subprocess.run([sys.executable, "-m", "bench.report", "bench/results/lowerings_h200.json",
                            "bench/results/dcp_step_h200x2.json"], capture_output=True, text=True, check=True, cwd=ROOT)
