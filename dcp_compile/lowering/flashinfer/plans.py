@@ -132,8 +132,6 @@ class FlashInferPlan:
         """The host metadata of the last plan()."""
         self._planned_csr: tuple[torch.Tensor, ...] | None = None
         """The CSR metadata the wrapper was last planned with (host copies)."""
-        self.wrapper_plans = 0
-        """FlashInfer plan() calls made (a plan() whose metadata equals the last one's makes none)."""
         self._staged: torch.cuda.Event | None = None
 
     def _make_wrapper(self):
@@ -167,7 +165,7 @@ class FlashInferPlan:
         qo_indptr = torch.cat([zero, torch.tensor(query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
         kv_indptr = torch.cat([zero, blocks.cumsum(0, dtype=torch.int32)])
         kv_indices = table.to(torch.int32)[used]
-        csr = (qo_indptr, kv_indptr, kv_indices, kv)
+        csr = (kv, qo_indptr, kv_indptr, kv_indices)  # compared in this order: the lengths differ most steps
         if self._planned_csr is not None and all(map(torch.equal, csr, self._planned_csr)):
             # The wrapper holds this plan already: several compile regions' graphs of one step
             # share their plans (FlashInferFeed.share), and a plan is a function of its CSR.
@@ -190,7 +188,6 @@ class FlashInferPlan:
             self._staged = torch.cuda.Event()
             self._staged.record()
         self.planned_host, self._planned_csr = host, csr
-        self.wrapper_plans += 1
 
     def check_planned(self, host: RankHostMetadata) -> None:
         """Raise if the last plan was not made for this step's lengths (debug mode)."""
