@@ -35,9 +35,12 @@ BACK_ENDS = {"v3-flashinfer": {"apply": {"kernels": "flashinfer"}}}
 lists and lengths handed to the wrapper as on a GPU)."""
 REGIONS = {"v2-regions": {"apply": {"regions": True}, "overrides": {
     "family": "v2", "attn_implementation": "eager", "rope_parameters": YARN, "num_hidden_layers": 3,
-    "first_k_dense_replace": 1}}}
+    "first_k_dense_replace": 1}},
+    "v3-regions-flashinfer": {"apply": {"regions": True, "kernels": "flashinfer"},
+                              "overrides": {"num_hidden_layers": 3, "first_k_dense_replace": 1}}}
 """Each decoder layer a compile region: one dense layer, then two MoE layers (two kinds); V2's
-rotary embedding is one complex tensor (V3 with regions: tests/hf/test_regions.py)."""
+rotary embedding is one complex tensor (V3 with regions: tests/hf/test_regions.py). With
+FlashInfer the two kinds' graphs share one host plan a step (lowering/flashinfer/plans.py)."""
 
 
 MATRIX_FAMILIES = ("v3-qlora-rotate-half-yarn", "glm4-moe-lite", "minicpm3", "youtu-eager", "sarvam-mla")
@@ -128,6 +131,19 @@ def test_regions_match_transformers_with_each_kind_of_layer_rewritten_once(runs)
         assert summary["absorb_mla"] == summary["replicated_q_attention"] == summary["shard_kv_write"] == 2 * result["graphs"]
     stored = [result["tokens_stored"] for result in runs["v2-regions"]]
     assert sum(stored) == runs["v2-regions"][0]["tokens_total"] and max(stored) < sum(stored)
+
+
+def test_flashinfer_regions_match_transformers(runs):
+    """apply(..., regions=True, kernels='flashinfer') at DCP 2: each kind of layer lowered once to
+    FlashInfer's attention, the two kinds' regions reading one plan a step (its count at DCP 1:
+    tests/hf/test_regions.py); every rank gets transformers' tokens and logits, and stores about
+    half of the KV."""
+    for result in runs["v3-regions-flashinfer"]:
+        assert result["tokens_equal"] and result["max_logit_diff"] < 1e-5 and result["kernels"] == "flashinfer"
+        summary = result["pass_summary"]
+        assert summary["absorb_mla"] == summary["lower_flashinfer_attention"] == summary["shard_kv_write"] == 2 * result["graphs"]
+    stored = [result["tokens_stored"] for result in runs["v3-regions-flashinfer"]]
+    assert sum(stored) == runs["v3-regions-flashinfer"][0]["tokens_total"] and max(stored) < sum(stored)
 
 
 def test_negative_control_perturbed_scale(runs):
