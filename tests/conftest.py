@@ -76,7 +76,7 @@ BY_PREFIX = {
     ],
     "interpreter": [
         "tests/ops/test_triton_kernels.py", "tests/ops/test_triton_folded_attention.py", "tests/ops/test_skinny_matmul.py",
-        "tests/test_triton_lowering.py",
+        "tests/test_triton_lowering.py", "tests/lowering/test_folded_verify.py",
         "tests/npu/test_a5_options.py::test_nz_round_trip_element_by_element",
         "tests/passes/test_lower_projections.py::test_the_lowered_products_compile_under_inductor",
         "tests/passes/test_lower_projections.py::test_the_reference_model_runs_its_projections_through_the_kernel_with_cublas_numbers",

@@ -20,8 +20,9 @@ pages map onto whole local blocks (FlashInfer's page size); the queries of a row
 query_lens[b] positions of its sequence, grouped by row (RequestTable's batches), which debug
 mode checks (dcp.check_host_metadata).
 Guarantees: every attention over the pool in a gather-q or replicated-q graph runs FlashInfer,
-but for a site past its plan's capacity (serves) or, under replicated-q, a chunk longer than the
-split serves (paged.PagedAttentionPass), which the back end's general kernels take; out and lse keep
+but for a site past its plan's capacity (serves), a verify or extend site where verify_attention is
+'folded' (the folded Triton kernel's), or, under replicated-q, a chunk longer than the split
+serves (paged.PagedAttentionPass), which the back end's general kernels take; out and lse keep
 mla_partial_attention's contract (out in q's dtype, fp32 natural-log lse).
 Why a pass: the kernel depends on the deployment (a Hopper GPU with FlashInfer), not the model.
 """
@@ -64,6 +65,9 @@ class LowerFlashInferAttention(paged.PagedAttentionPass):
     reader = "the FlashInfer lowering under DCP"
     reads_block_table = False  # its plan reads the host's table
 
+    def __init__(self, fold_verify: bool = False):
+        self.fold_verify = fold_verify
+
     def prepare(self, gm: fx.GraphModule) -> None:
         ensure_ops()
         self._plans: dict[PlanSpec, fx.Node] = {}
@@ -77,9 +81,12 @@ class LowerFlashInferAttention(paged.PagedAttentionPass):
     def serves(self, config: PassConfig, site) -> bool:
         """At most MAX_WORK_ITEMS tiles of query rows x heads (a bound on fa3's plan count), or its
         plan refuses the step; a site past it (a prefill of 8 x 16k tokens at 64 heads) stays for
-        the back end's general kernels."""
+        the back end's general kernels, as a verify or extend site does where verify_attention is
+        'folded'."""
         tokens, heads, _ = fake_value(site.q_latent).shape
         rows = fake_value(site.req_to_token).shape[0]
+        if self.fold_verify and tokens != rows:  # verify_attention='folded': the Triton kernel's (lower_kernels.py)
+            return False
         return work_items_bound(tokens, rows, heads) <= MAX_WORK_ITEMS
 
     def kernel(self, graph, site, q_latent, q_rope, decode, host, block_table, block_size):

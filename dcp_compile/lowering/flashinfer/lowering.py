@@ -49,8 +49,15 @@ class FlashInferLowering(TritonLowering):
         # debug check of the host inputs reads one length per row.
         return strategy in POOL_STRATEGIES and config.debug_checks
 
+    def folds_verify(self, pool) -> bool:
+        # fa3 already packs a request's queries x heads into its tiles of 64/128 rows, and measured
+        # faster than the folded Triton kernel (bench/results/lowerings_folded_h100.json).
+        return False
+
     def passes(self) -> list:
-        return [LowerFlashInferAttention(), LowerKernels(devices=("cuda",)), *self.projection_passes()]
+        fold = self.options.verify_attention == "folded"
+        return [LowerFlashInferAttention(fold_verify=fold), LowerKernels(devices=("cuda",), fold_verify=fold),
+                *self.projection_passes()]
 
     def host_feed(self, gm: fx.GraphModule, dcp_rank: int):
         return FlashInferFeed(gm, dcp_rank) if gm.meta.get(PLAN_SPECS) else None

@@ -3,6 +3,9 @@
     before: dcp.mla_partial_attention(...); dcp.sharded_kv_write(...); dcp.mla_attention(...)
     after:  dcp_triton.mla_partial_attention(...); dcp_triton.sharded_kv_write(...);
             dcp_triton.mla_partial_attention(..., key_positions=arange(L).expand(B, L), ...)[0]
+    with fold_verify, an attention over the pool with T != B queries (verify, extend) in a
+    gather-q or replicated-q graph takes dcp_triton.mla_folded_partial_attention instead (same
+    arguments; its queries are grouped by request there, as RequestTable builds every batch).
 
 Assumes: the DCP rewrites ran (or were switched off); what is left of the canonical ops has the
 unsharded meaning, which the Triton kernels serve with dcp_size 1.
@@ -23,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.lowering.triton.ops import LAUNCHERS, triton_op
+from dcp_compile.lowering.base import POOL_STRATEGIES
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
 from dcp_compile.passes.graph_utils import call, fake_value, size_of
@@ -39,8 +43,17 @@ def _graph_device(graph: fx.Graph) -> torch.device | None:
 class LowerKernels(GraphPass):
     name = "lower_kernels"
 
-    def __init__(self, devices: tuple[str, ...] | None = None):
+    def __init__(self, devices: tuple[str, ...] | None = None, fold_verify: bool = False):
         self.devices = devices
+        self.fold_verify = fold_verify
+
+    def _attention_op(self, config: PassConfig, q_latent: fx.Node, page_table: fx.Node):
+        """The partial-attention op of one attention over the pool: the folded kernel's where it
+        folds verify, the queries are not one a row, and the graph's batches are RequestTable's."""
+        tokens, rows = fake_value(q_latent).shape[0], fake_value(page_table).shape[0]
+        if self.fold_verify and config.attention_strategy in POOL_STRATEGIES and tokens != rows:
+            return triton_op("mla_folded_partial_attention")
+        return triton_op("mla_partial_attention")
 
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         graph = gm.graph
@@ -52,6 +65,8 @@ class LowerKernels(GraphPass):
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target in swaps:
                 node.target = swaps[node.target]
+                if node.target == triton_op("mla_partial_attention"):
+                    node.target = self._attention_op(config, node.args[0], node.args[3])
                 lowered += 1
         for site in sites.find_kv_writes(graph):
             with graph.inserting_before(site.node):
@@ -63,7 +78,8 @@ class LowerKernels(GraphPass):
             with graph.inserting_before(site.node):
                 columns = call(graph, aten.arange.default, width, dtype=fake_value(site.req_to_token).dtype, device=device)
                 positions = call(graph, aten.expand.default, columns, [size_of(graph, site.req_to_token, 0), width])
-                partial = call(graph, triton_op("mla_partial_attention"), site.q_latent, site.q_rope, site.cache,
+                partial = call(graph, self._attention_op(config, site.q_latent, site.req_to_token), site.q_latent,
+                               site.q_rope, site.cache,
                                site.req_to_token, site.seq_lens, positions, site.q_seq_ids, site.q_positions, site.sm_scale)
                 out = call(graph, operator.getitem, partial, 0)
             site.node.replace_all_uses_with(out)

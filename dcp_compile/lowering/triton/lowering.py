@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from dcp_compile.lowering import triton as triton_kernels
@@ -11,6 +12,7 @@ from dcp_compile.lowering.triton.lower_kernels import LowerKernels
 from dcp_compile.lowering.triton.lower_projections import LowerProjections, tuned_for
 
 SKINNY_MATMULS = ("auto", "on", "off")
+VERIFY_ATTENTION = ("auto", "folded", "default")
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,16 @@ class TritonOptions(Options):
     (lower_projections.py; on CUDA), each shape by the config tuned for this GPU or, where cuBLAS
     measured faster, by cuBLAS; 'off': cuBLAS always; 'auto' (default): on where the KV pool is on
     a CUDA GPU the kernel has tuned configs for (skinny_configs/), off elsewhere."""
+    verify_attention: str = field(default="auto", metadata={
+        "choices": VERIFY_ATTENTION,
+        "help": "verify and extend attention over the KV pool: the folded Triton kernel, the back end's "
+                "default kernel, or auto"})
+    """Attention over the KV pool of steps with several queries a request (verify, extend), in the
+    graphs that read the pool in place (gather-q, replicated-q), whose queries are grouped by
+    request: 'folded', the folded Triton kernel (lowering/triton/folded_attention.py: a request's
+    queries x heads as the rows of one tile, each KV block read once for all of them); 'default',
+    the back end's own kernel (Triton's per-query split-KV kernel; FlashInfer's fa3 MLA); 'auto'
+    (default): the back end's choice (`folds_verify`). Decode steps keep the default kernel."""
 
 
 class TritonLowering(Lowering):
@@ -40,12 +52,20 @@ class TritonLowering(Lowering):
         return super().unsupported_reasons(pool, config, model)
 
     def resolve_options(self, pool) -> TritonOptions:
-        if self.options.skinny_matmuls != "auto":
-            return self.options
-        return TritonOptions(skinny_matmuls="on" if tuned_for(pool.device) else "off")
+        options = self.options
+        if options.skinny_matmuls == "auto":
+            options = dataclasses.replace(options, skinny_matmuls="on" if tuned_for(pool.device) else "off")
+        if options.verify_attention == "auto":
+            options = dataclasses.replace(options, verify_attention="folded" if self.folds_verify(pool) else "default")
+        return options
+
+    def folds_verify(self, pool) -> bool:
+        """verify_attention='auto': whether the folded kernel serves verify here. Triton's own
+        kernel takes one query's heads a tile, so the folded tile is never smaller."""
+        return True
 
     def passes(self) -> list:
-        return [LowerKernels(), *self.projection_passes()]
+        return [LowerKernels(fold_verify=self.options.verify_attention == "folded"), *self.projection_passes()]
 
     def projection_passes(self) -> list:
         return [LowerProjections(devices=("cuda",), enabled=self.options.skinny_matmuls == "on")]

@@ -19,27 +19,33 @@ LAUNCHERS = {
     "merge_partials": "merge_partials",
     "window_attention": "window_attention",
 }
+# dcp_triton:: ops with no dcp:: op of their own: name -> (the dcp:: op whose schema and meaning
+# they keep, with a precondition of their own, and their launcher)
+VARIANTS = {
+    # queries grouped by request, in request order (the batches of RequestTable)
+    "mla_folded_partial_attention": ("mla_partial_attention", "folded_partial_attention"),
+}
 _library: torch.library.Library | None = None
 
 
-def _launcher(name: str):
+def _launcher(launcher: str):
     from dcp_compile.lowering import triton as triton_kernels
 
     if not triton_kernels.available():
         raise RuntimeError("the Triton kernels were selected but triton is not installed (pip install triton)")
-    return getattr(triton_kernels, LAUNCHERS[name])
+    return getattr(triton_kernels, launcher)
 
 
-def _define(library: torch.library.Library, name: str) -> None:
-    schema = str(getattr(torch.ops.dcp, name).default._schema)
+def _define(library: torch.library.Library, name: str, canonical: str, launcher: str) -> None:
+    schema = str(getattr(torch.ops.dcp, canonical).default._schema)
     library.define(schema[schema.index("(") :].join([name, ""]))
 
     def kernel(*args):
-        return _launcher(name)(*args)
+        return _launcher(launcher)(*args)
 
     def fake(*args):
         # Under a fake mode the dcp:: op dispatches to its own fake implementation.
-        return getattr(torch.ops.dcp, name).default(*args)
+        return getattr(torch.ops.dcp, canonical).default(*args)
 
     # The npu device (PrivateUse1) too: on Ascend, the same kernels run under triton-ascend.
     for device in ("CUDA", "CPU", "PrivateUse1"):
@@ -48,10 +54,12 @@ def _define(library: torch.library.Library, name: str) -> None:
 
 
 def triton_op(name: str) -> torch._ops.OpOverload:
-    """The dcp_triton:: overload that lowers dcp::`name`."""
+    """The dcp_triton:: overload that lowers dcp::`name`, or of a variant (VARIANTS)."""
     global _library
     if _library is None:
         _library = torch.library.Library(NAMESPACE, "DEF")
-        for op_name in LAUNCHERS:
-            _define(_library, op_name)
+        for op_name, launcher in LAUNCHERS.items():
+            _define(_library, op_name, op_name, launcher)
+        for op_name, (canonical, launcher) in VARIANTS.items():
+            _define(_library, op_name, canonical, launcher)
     return getattr(getattr(torch.ops, NAMESPACE), name).default
