@@ -6,7 +6,9 @@ and the roofline floor, side by side in one run.
 Cases: heads x context x batch x k (queries per request; k = 1 is decode, k > 1 verify), Kimi-K2
 latent shapes (R = 512, P = 64, bf16), causal over the whole context (DCP = 1 semantics), each
 request on random pages of 64 rows of one pool. Lowerings:
-  triton      dcp_compile's split-KV kernel (lowering/triton/attention.py)
+  triton      dcp_compile's split-KV kernel (lowering/triton/attention.py), per query
+  folded      dcp_compile's folded kernel (lowering/triton/folded_attention.py): a request's k
+              queries x heads as the rows of one tile, the Triton back end's verify kernel
   flashinfer  FlashInfer's fa3 MLA kernel through dcp_compile's FlashInferPlan, the path the
               FlashInfer lowering runs (page = one local block of 64 rows, causal)
   torch       the reference, at the smallest context only (eager, for scale)
@@ -14,7 +16,9 @@ Figures per case: median time over CUDA-graph replays; KV read as a share of the
 copy bandwidth; the roofline floor, max(FLOPs at the bf16 matmul rate, KV bytes at the copy
 rate), both measured in this run, and the share of it reached (floor / time). FLOPs are
 2 x (R + P + R) per visible (query head, key) pair. Also: FlashInfer's first run (JIT build or
-load), its host plan() time at batch 64, and a check that both kernels agree at the largest case.
+load), its host plan() time at batch 64, a check that the kernels agree (decode at the largest
+case, verify k = 7 at 32k), and with --folded-sweep, the folded kernel's launch choices at one
+verify case.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="32768,131072")
     p.add_argument("--batches", default="4,16,64")
     p.add_argument("--ks", default="1,4,7,16")
-    p.add_argument("--lowerings", default="triton,flashinfer")
+    p.add_argument("--lowerings", default="triton,folded,flashinfer")
+    p.add_argument("--folded-sweep", action="store_true",
+                   help="time the folded kernel's tilings at heads x the longest context, batch 4, k = 7")
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=300.0, help="no new case starts after this many seconds")
     args = p.parse_args(argv)
@@ -61,6 +67,23 @@ def triton_launcher(cases, scale):
         c = cases[i]
         attention.partial_attention_into(c.q_latent, c.q_rope, c.pool, c.page_table, c.seq_lens, c.positions, c.q_seq_ids,
                                          c.q_positions, scale, *outs[i])
+    return launch, outs
+
+
+def folded_launcher(cases, scale, tiling=None):
+    from dcp_compile.lowering.triton import attention, folded_attention
+
+    outs = [(torch.empty_like(c.q_latent), torch.empty(c.q_latent.shape[:2], device="cuda")) for c in cases]
+    workspaces = [None] * len(cases)
+    if tiling is not None:
+        workspaces = [attention.split_workspace(c.q_latent.shape[0], tiling.num_splits, c.heads, RANK_DIM, "cuda")
+                      for c in cases]
+
+    def launch(i):
+        c = cases[i]
+        folded_attention.folded_partial_attention_into(c.q_latent, c.q_rope, c.pool, c.page_table, c.seq_lens,
+                                                       c.positions, c.q_seq_ids, c.q_positions, scale, *outs[i],
+                                                       tiling=tiling, workspace=workspaces[i])
     return launch, outs
 
 
@@ -85,22 +108,52 @@ def flashinfer_launcher(cases, scale):
 def measure(lowering: str, cases, replays: int, scale: float) -> float:
     if lowering == "triton":
         launch, _ = triton_launcher(cases, scale)
+    elif lowering == "folded":
+        launch, _ = folded_launcher(cases, scale)
     else:
         launch, _, _ = flashinfer_launcher(cases, scale)
     return time_graph(launch, len(cases), replays)
 
 
-def agreement(case, scale) -> dict:
-    """Both kernels on one case: max |out| difference over max |out|, max |lse| difference."""
-    launch_t, outs_t = triton_launcher([case], scale)
+def agreement(case, scale, lowerings) -> dict:
+    """Each kernel against FlashInfer's on one case: max |out| difference over max |out|, max |lse|
+    difference."""
     launch_f, outs_f, _ = flashinfer_launcher([case], scale)
-    launch_t(0)
     launch_f(0)
-    torch.cuda.synchronize()
-    (out_t, lse_t), (out_f, lse_f) = outs_t[0], outs_f[0]
-    return {"heads": case.heads, "context": case.context, "batch": case.batch, "k": case.k,
-            "out_rel_diff": float((out_t.float() - out_f.float()).abs().max() / out_t.float().abs().max()),
-            "lse_abs_diff": float((lse_t - lse_f).abs().max())}
+    row = {"heads": case.heads, "context": case.context, "batch": case.batch, "k": case.k}
+    for name, launcher in (("triton", triton_launcher), ("folded", folded_launcher)):
+        if name not in lowerings:
+            continue
+        launch, outs = launcher([case], scale)
+        launch(0)
+        torch.cuda.synchronize()
+        (out, lse), (out_f, lse_f) = outs[0], outs_f[0]
+        row[name] = {"out_rel_diff": float((out.float() - out_f.float()).abs().max() / out_f.float().abs().max()),
+                     "lse_abs_diff": float((lse - lse_f).abs().max())}
+    return row
+
+
+def folded_sweep(pool, heads, context, replays, scale) -> list[dict]:
+    """The folded kernel's tilings at batch 4, k = 7: keys a step, warps and stages (its row tile
+    and split count as chosen)."""
+    from dcp_compile.lowering.triton.attention_tiling import AttentionTiling
+    from dcp_compile.lowering.triton.folded_attention import choose_folded_tiling
+
+    rows = []
+    case = PagedCase(pool, heads, context, 4, 7, seed=13)
+    chosen, _ = choose_folded_tiling(4 * 7, 4, heads, context, torch.device("cuda"))
+    for block_n in (32, 64):
+        for num_warps in (4, 8):
+            for num_stages in (1, 2, 3):
+                tiling = AttentionTiling(chosen.num_splits, chosen.block_h, block_n, num_warps, num_stages)
+                row = {"heads": heads, "context": context, "batch": 4, "k": 7, "tiling": vars(tiling).copy()}
+                try:
+                    launch, _ = folded_launcher([case], scale, tiling)
+                    row["seconds"] = time_graph(launch, 1, replays)
+                except Exception as error:  # noqa: BLE001 - reported (out of shared memory), the sweep goes on
+                    row["error"] = f"{type(error).__name__}: {error}"[:200]
+                rows.append(row)
+    return rows
 
 
 def flashinfer_setup(pool, scale) -> dict:
@@ -189,7 +242,13 @@ def main(argv=None) -> int:
                                                     "seconds": seconds, "fraction_of_copy": case.kv_bytes / seconds / copy})
         if "flashinfer" in lowerings:
             biggest = PagedCase(pool, max(args.heads), max(args.contexts), max(args.batches), 1, seed=11)
-            run["agreement"] = agreement(biggest, scale)
+            run["agreement"] = agreement(biggest, scale, lowerings)
+            verify = PagedCase(pool, max(args.heads), min(args.contexts), 4, 7, seed=12)
+            run["agreement_verify"] = agreement(verify, scale, lowerings)
+        if args.folded_sweep:
+            for heads in args.heads:
+                for row in folded_sweep(pool, heads, max(args.contexts), args.replays, scale):
+                    results.add(result, "folded_sweep", row)
     finally:
         run["wall_s"] = time.monotonic() - started
         results.write(result, args.out)

@@ -56,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bench/results/step.json")
     p.add_argument("--combos", default="flashinfer:inductor,flashinfer:eager,triton:inductor,triton:eager",
                    help="lowering:inner_compile pairs, each optionally :on or :off for skinny_matmuls (default "
-                        "--skinny-matmuls), e.g. flashinfer:inductor:on,flashinfer:inductor:off side by side")
+                        "--skinny-matmuls), e.g. flashinfer:inductor:on,flashinfer:inductor:off side by side; a "
+                        "lowering may name its verify_attention, e.g. flashinfer+folded:inductor")
     p.add_argument("--contexts", default="32768,131072")
     p.add_argument("--decode-batches", default="4,16,64")
     p.add_argument("--verify-batches", default="4,16")
@@ -142,11 +143,25 @@ def skinny_of(config) -> str:
     return getattr(config.options, "skinny_matmuls", "off")
 
 
+def split_lowering(text: str) -> tuple[str, dict]:
+    """A combo's lowering, 'name' or 'name+VERIFY' (VERIFY: its verify_attention, e.g.
+    flashinfer+folded), as (name, option values)."""
+    name, _, verify = text.partition("+")
+    return name, ({"verify_attention": verify} if verify else {})
+
+
+def verify_attention_of(config) -> str:
+    """What the compiled model resolved verify_attention to ('default' where its back end has no such option)."""
+    return getattr(config.options, "verify_attention", "default")
+
+
 def build(args, cfg, lowering: str, inner: str, skinny: str, device, tp):
     model = MLAModel(cfg, kv_capacity=capacity(args), max_requests=max(args.decode_batches + args.verify_batches), par=tp,
                      dtype=torch.bfloat16, device=device, page_size=page_size(1), regions=args.regions)
+    lowering, options = split_lowering(lowering)
     # skinny_matmuls is an option of the back ends that run the Triton kernels (TritonOptions)
-    options = {"skinny_matmuls": skinny} if lowering in registry.option_owners("skinny_matmuls") else {}
+    if lowering in registry.option_owners("skinny_matmuls"):
+        options["skinny_matmuls"] = skinny
     compiled = dcp_compile.apply(model, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=lowering,
                                  inner_compile=inner, fuse_projections=args.fuse_projections, **options)
     fill_random(model.kv_pool.cache(0))
@@ -167,8 +182,9 @@ def attention_layer(args, cfg, lowering: str, device, tp, inner: str = "auto"):
     """One attention layer (KV write + attention over the context) applied with `lowering`."""
     layer = AttentionLayer(cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, capacity(args), torch.bfloat16, device,
                            tp, page_size=page_size(1))
+    lowering, options = split_lowering(lowering)
     model = dcp_compile.apply(layer, 1, attention_strategy="gather-q", kv_keep="capacity", kernels=lowering,
-                              inner_compile=inner)
+                              inner_compile=inner, **options)
     fill_random(layer.kv_pool.cache(0))
     return layer, model
 
@@ -212,16 +228,17 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
     started = time.perf_counter()
     model, compiled = build(args, cfg, lowering, inner, skinny, device, tp)
     config = dcp_compile.state(compiled).config
-    resolved = skinny_of(config)
+    resolved, verify = skinny_of(config), verify_attention_of(config)
     build_seconds = time.perf_counter() - started
     weights = weight_bytes_and_params(model)
     width = max(args.contexts)
-    compile_row = {"lowering": lowering, "inner_compile": inner, "skinny_matmuls": resolved,
+    name = split_lowering(lowering)[0]
+    compile_row = {"lowering": name, "inner_compile": inner, "skinny_matmuls": resolved, "verify_attention": verify,
                    "model_build_seconds": build_seconds}
     for k, batch, context in cases(args):
-        row = {"lowering": lowering, "inner_compile": inner, "context": context, "batch": batch, "k": k,
+        row = {"lowering": name, "inner_compile": inner, "context": context, "batch": batch, "k": k,
                "layers": cfg.num_layers, "fuse_projections": config.fuse_projections,
-               "skinny_matmuls": resolved, "symbolic": args.symbolic,
+               "skinny_matmuls": resolved, "verify_attention": verify, "symbolic": args.symbolic,
                "regions": args.regions}
         try:
             row["compile_seconds"] = run_case(compiled, batch, context, k, width, device,
@@ -240,12 +257,12 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
         row["attention_seconds"] = attention[(k, batch, context)] * cfg.num_mla_layers
         row["rest_seconds"] = row["step_seconds"] - row["attention_seconds"]
         results.add(result, results.MAIN, row)
-        print(f"{lowering:>10} {inner:>8} skinny {resolved:>3} ctx {context:>6} b {batch:>3} k {k} step {row['step_seconds'] * 1e3:8.2f} ms "
+        print(f"{lowering:>17} {inner:>8} skinny {resolved:>3} ctx {context:>6} b {batch:>3} k {k} step {row['step_seconds'] * 1e3:8.2f} ms "
               f"floor {row['floor_seconds'] * 1e3:7.2f} ms ({row['fraction_of_floor']:.0%}) attention "
               f"{row['attention_seconds'] * 1e3:7.2f} ms, first call {row.get('compile_seconds', float('nan')):6.1f} s "
               f"{row.get('error', '')}", flush=True)
-    first = next(r for r in results.rows(result) if (r["lowering"], r["inner_compile"], r["skinny_matmuls"])
-                 == (lowering, inner, resolved))
+    first = next(r for r in results.rows(result) if (r["lowering"], r["inner_compile"], r["skinny_matmuls"],
+                                                     r.get("verify_attention")) == (name, inner, resolved, verify))
     compile_row["cold_seconds"] = first.get("compile_seconds")
     del compiled, model
     if device.type == "cuda":
@@ -261,7 +278,7 @@ def bench_combo(args, cfg, lowering: str, inner: str, skinny: str, device, tp, r
             torch.cuda.empty_cache()
     torch._dynamo.reset()
     results.add(result, "compile", compile_row)
-    print(f"{lowering:>10} {inner:>8} skinny {resolved:>3} compile: cold {compile_row['cold_seconds'] or float('nan'):.1f} s, warm "
+    print(f"{lowering:>17} {inner:>8} skinny {resolved:>3} compile: cold {compile_row['cold_seconds'] or float('nan'):.1f} s, warm "
           f"{compile_row.get('warm_seconds', float('nan')):.1f} s", flush=True)
 
 
@@ -280,7 +297,8 @@ def summary(result: dict) -> list[str]:
         for row in results.rows(result):
             if (row["k"], row["batch"], row["context"]) == (k, batch, context) and row["step_seconds"] == row["step_seconds"]:
                 met = row["fraction_of_floor"] >= target
-                lines.append(f"{row['lowering']}+{row['inner_compile']}+skinny-{row.get('skinny_matmuls')} k={k} b={batch} ctx={context}: "
+                lines.append(f"{row['lowering']}+{row['inner_compile']}+skinny-{row.get('skinny_matmuls')}"
+                             f"+verify-{row.get('verify_attention', 'default')} k={k} b={batch} ctx={context}: "
                              f"{row['fraction_of_floor']:.1%} of the floor (target {target:.0%}, {'met' if met else 'missed'})")
     for row in results.rows(result, "compile"):
         for key, limit in COMPILE_TARGETS.items():

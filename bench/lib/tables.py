@@ -75,8 +75,11 @@ def generic(result: dict) -> list[str]:
 
 
 def combo(row: dict) -> str:
-    """'lowering + inner compiler', '+ skinny' where the projections ran the skinny-matmul kernel."""
-    return f"{row['lowering']} + {row['inner_compile']}" + (" + skinny" if row.get("skinny_matmuls") == "on" else "")
+    """'lowering + inner compiler', '+ skinny' where the projections ran the skinny-matmul kernel,
+    '+ folded verify' where verify ran the folded Triton kernel on a back end whose own is another."""
+    folded = row.get("verify_attention") == "folded" and row["lowering"] != "triton"
+    return (f"{row['lowering']} + {row['inner_compile']}" + (" + skinny" if row.get("skinny_matmuls") == "on" else "")
+            + (" + folded verify" if folded else ""))
 
 
 def step(result: dict) -> list[str]:
@@ -232,14 +235,19 @@ def kernels(result: dict) -> list[str]:
 # --- bench.lowerings, bench.dcp_step and their targets (issue 10) ----------------------------------
 
 
+KERNEL_NAMES = {"triton": "Triton", "folded": "folded", "flashinfer": "FlashInfer"}
+
+
 def kernel_table(lowerings: dict, context: int) -> list[str]:
-    out = ["| heads | batch | k | bound | floor (us) | Triton (us, % copy, % floor) | FlashInfer (us, % copy, % floor) |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+    present = [name for name in KERNEL_NAMES if any(name in row for row in rows(lowerings, MAIN))]
+    out = ["| heads | batch | k | bound | floor (us) | "
+           + " | ".join(f"{KERNEL_NAMES[name]} (us, % copy, % floor)" for name in present) + " |",
+           "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in present) + " |"]
     for row in rows(lowerings, MAIN):
         if row["context"] != context or "skipped" in row:
             continue
         cells = []
-        for name in ("triton", "flashinfer"):
+        for name in present:
             cell = row.get(name, {})
             cells.append(f"{_us(cell['seconds'], 0)}, {cell['fraction_of_copy']:.0%}, {cell['fraction_of_floor']:.0%}"
                          if "seconds" in cell else cell.get("error", "-")[:40])
@@ -264,7 +272,12 @@ def lowerings(result: dict) -> list[str]:
         out.append(f"torch reference, 32 heads, ctx {row['context']}, batch 4, k {row['k']}: {row['seconds'] * 1e6:.0f} us "
                    f"({row['fraction_of_copy']:.1%} of copy)")
     if "agreement" in run:
-        out.append(f"triton vs flashinfer at the largest case: {run['agreement']}")
+        out.append(f"against flashinfer at the largest case: {run['agreement']}")
+    if "agreement_verify" in run:
+        out.append(f"against flashinfer at verify: {run['agreement_verify']}")
+    for row in rows(result, "folded_sweep"):
+        seconds = f"{row['seconds'] * 1e6:.0f} us" if "seconds" in row else row["error"][:60]
+        out.append(f"folded sweep, {row['heads']} heads, ctx {row['context']}, batch 4, k 7, {row['tiling']}: {seconds}")
     return out
 
 
