@@ -8,7 +8,8 @@ latent shapes (R = 512, P = 64, bf16), causal over the whole context (DCP = 1 se
 request on random pages of 64 rows of one pool. Lowerings:
   triton      dcp_compile's split-KV kernel (lowering/triton/attention.py), per query
   folded      dcp_compile's folded kernel (lowering/triton/folded_attention.py): a request's k
-              queries x heads as the rows of one tile, the Triton back end's verify kernel
+              queries x heads as the rows of one tile, the Triton back end's verify kernel below
+              64 heads (at any head count here)
   flashinfer  FlashInfer's fa3 MLA kernel through dcp_compile's FlashInferPlan, the path the
               FlashInfer lowering runs (page = one local block of 64 rows, causal)
   torch       the reference, at the smallest context only (eager, for scale)
@@ -85,7 +86,7 @@ def folded_launcher(cases, scale, tiling=None):
         c = cases[i]
         folded_attention.folded_partial_attention_into(c.q_latent, c.q_rope, c.pool, c.page_table, c.seq_lens,
                                                        c.positions, c.q_seq_ids, c.q_positions, scale, *outs[i],
-                                                       tiling=tiling, workspace=workspaces[i])
+                                                       tiling=tiling, workspace=workspaces[i], fold=True)
     return launch, outs
 
 

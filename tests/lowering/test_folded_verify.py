@@ -89,5 +89,6 @@ def test_the_folded_kernel_gives_the_reference_logits_through_the_model(monkeypa
     got, want = _logits("triton"), _logits("torch")
     # every layer of the two steps with several queries a row (34 and 16 tokens over 4 rows)
     assert sorted({shape[0] for shape in launches}) == [16, 34] and len(launches) == 6
+    assert all(folded_attention.folds(tokens, 4, heads) for tokens, heads, _ in launches)  # folded, not handed on
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)

@@ -48,7 +48,7 @@ def _inputs(lengths, queries, dcp_size, interleave, rank, heads=5, rank_dim=32, 
             inputs["q_seq_ids"], inputs["q_positions"])
 
 
-def _run(args, tiling=None, tiles=None):
+def _run(args, tiling=None, tiles=None, fold=True):
     """The kernel into NaN-poisoned outputs and workspace, so an element left unwritten fails."""
     q_latent = args[0]
     tokens, heads, rank_dim = q_latent.shape
@@ -59,7 +59,7 @@ def _run(args, tiling=None, tiles=None):
         workspace = tuple(t.fill_(float("nan"))
                           for t in attention.split_workspace(tokens, tiling.num_splits, heads, rank_dim, "cpu"))
     folded_attention.folded_partial_attention_into(*args, SCALE, out, lse, tiling=tiling, tiles=tiles,
-                                                   workspace=workspace)
+                                                   workspace=workspace, fold=fold)
     return out, lse
 
 
@@ -137,6 +137,23 @@ def test_folded_attention_without_queries():
 def test_query_starts_of_grouped_ids():
     ids = torch.tensor([0, 0, 0, 2, 2, 3], dtype=torch.int32)
     assert folded_attention.query_starts(ids, 5).tolist() == [0, 3, 3, 5, 6, 6]
+
+
+def test_the_launcher_folds_only_where_it_measured_faster(monkeypatch):
+    """Below 64 heads with 4 tiles or more; a query's 64 heads fill a tile themselves, and a lone
+    request of few queries leaves the folded kernel's splits too short: the per-query kernel."""
+    assert folded_attention.folds(4 * 7, 4, 16) and folded_attention.folds(16, 1, 16)
+    assert not folded_attention.folds(4 * 7, 4, 64) and not folded_attention.folds(7, 1, 16)
+    per_query = []
+    launch = attention.partial_attention_into
+    monkeypatch.setattr(attention, "partial_attention_into",
+                        lambda *a, **k: per_query.append(a[0].shape) or launch(*a, **k))
+    args = _inputs([9, 30], 3, 1, 1, 0, heads=64, rank_dim=16, rope_dim=16, seed=3)
+    _assert_close(_run(args, fold=None), reference.partial_attention(*args, SCALE), FP32)
+    assert per_query == [(6, 64, 16)]
+    args = _inputs(LENGTHS, 3, 1, 1, 0, seed=4)
+    _assert_close(_run(args, fold=None), reference.partial_attention(*args, SCALE), FP32)
+    assert len(per_query) == 1
 
 
 def test_folded_tiling_fills_a_tile_with_a_requests_queries():

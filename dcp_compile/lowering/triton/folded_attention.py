@@ -16,6 +16,13 @@ workspace and the same merge kernel, so the two kernels agree split by split.
 
 The request of each token range comes from q_seq_ids on the device (searchsorted over the
 grouped ids), so choosing the launch reads nothing back and a captured graph stays valid.
+
+The launcher folds where it measured faster than attention.py's kernel (`folds`), and runs that
+one elsewhere. On an H100 (bench/results/gpu_h100_2026-12-06d, Kimi-K2 latent sizes, 32k and
+128k): at 16 heads and 4 or more tiles in all it took 0.52-0.96x the per-query kernel's time for
+k = 4..16 (0.52-0.69x at 128k); with fewer tiles (batch 1, k = 4 or 7) 0.86-1.90x, its splits
+each too short. At 64 heads, where one query's heads fill a tile themselves and folding gains no
+row, it took 1.18-1.50x.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dcp_compile.lowering.triton import attention
 from dcp_compile.lowering.triton.attention import (
     _LN2,
     MERGE_BLOCK_H,
@@ -46,6 +54,8 @@ from dcp_compile.lowering.triton.launching import (
 FOLDED_ROWS = 64
 """Rows of (query, head) pairs a program takes: one warpgroup MMA's M on Hopper, and a [64, 512]
 fp32 accumulator, the most that stays in registers (attention_tiling.MAX_BLOCK_H)."""
+MIN_FOLDED_TILES = 4
+"""Tiles in all (requests x tiles a request) below which the launcher does not fold (module docstring)."""
 
 
 @triton.jit(do_not_specialize=["rows", "heads", "width", "num_splits", "tiles"])
@@ -170,11 +180,27 @@ def query_starts(q_seq_ids: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(q_seq_ids, requests, out_int32=True)
 
 
+def folds(tokens: int, rows: int, heads: int) -> bool:
+    """Whether the launcher folds `tokens` queries over `rows` requests at `heads` heads: where one
+    query's heads leave a tile part empty and there are MIN_FOLDED_TILES tiles or more (module
+    docstring). Shapes only: the choice reads nothing from the device."""
+    mean_queries = max(1, -(-tokens // max(rows, 1)))
+    tiles = triton.cdiv(mean_queries * heads, FOLDED_ROWS)
+    return heads < FOLDED_ROWS and rows * tiles >= MIN_FOLDED_TILES
+
+
 def folded_partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids,
                                   q_positions, sm_scale: float, out, lse, tiling: AttentionTiling | None = None,
-                                  tiles: int | None = None, workspace=None, rope_cache=None) -> None:
+                                  tiles: int | None = None, workspace=None, rope_cache=None,
+                                  fold: bool | None = None) -> None:
     """`folded_partial_attention` writing into out [T, H, R] and lse [T, H]; `tiling` and `tiles`
-    override choose_folded_tiling (benchmarks sweep them), `workspace` is attention.split_workspace's."""
+    override choose_folded_tiling (benchmarks sweep them), `workspace` is attention.split_workspace's;
+    `fold` (default: folds(...)) False runs attention.py's kernel instead, True the folded one at
+    any shape."""
+    if not (folds(q_latent.shape[0], page_table.shape[0], q_latent.shape[1]) if fold is None else fold):
+        attention.partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids,
+                                         q_positions, sm_scale, out, lse, rope_cache=rope_cache)
+        return
     latent_cache, rope_part = _check_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids,
                                             q_positions, rope_cache)
     tokens, heads, rank_dim = q_latent.shape

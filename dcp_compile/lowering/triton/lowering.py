@@ -60,8 +60,9 @@ class TritonLowering(Lowering):
         return options
 
     def folds_verify(self, pool) -> bool:
-        """verify_attention='auto': whether the folded kernel serves verify here. Triton's own
-        kernel takes one query's heads a tile, so the folded tile is never smaller."""
+        """verify_attention='auto': whether the folded kernel serves verify here. Its launcher
+        folds only at the shapes where it measured faster than Triton's per-query kernel (below 64
+        heads, 4 tiles or more) and runs that one elsewhere (folded_attention.folds)."""
         return True
 
     def passes(self) -> list:
