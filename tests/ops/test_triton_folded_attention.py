@@ -140,9 +140,11 @@ def test_query_starts_of_grouped_ids():
 
 
 def test_the_launcher_folds_only_where_it_measured_faster(monkeypatch):
-    """Below 64 heads with 4 tiles or more; a query's 64 heads fill a tile themselves, and a lone
-    request of few queries leaves the folded kernel's splits too short: the per-query kernel."""
+    """At 16 heads from 4 tiles, at 32 from 16; a query's 64 heads fill a tile themselves, and a
+    few tiles leave the folded kernel's splits too short: there, the per-query kernel."""
     assert folded_attention.folds(4 * 7, 4, 16) and folded_attention.folds(16, 1, 16)
+    assert folded_attention.folds(4 * 7, 4, 32) and folded_attention.folds(16 * 4, 16, 32)
+    assert not folded_attention.folds(4 * 4, 4, 32) and not folded_attention.folds(16, 1, 32)
     assert not folded_attention.folds(4 * 7, 4, 64) and not folded_attention.folds(7, 1, 16)
     per_query = []
     launch = attention.partial_attention_into

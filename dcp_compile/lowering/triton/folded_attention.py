@@ -19,10 +19,13 @@ grouped ids), so choosing the launch reads nothing back and a captured graph sta
 
 The launcher folds where it measured faster than attention.py's kernel (`folds`), and runs that
 one elsewhere. On an H100 (bench/results/gpu_h100_2026-12-06d, Kimi-K2 latent sizes, 32k and
-128k): at 16 heads and 4 or more tiles in all it took 0.52-0.96x the per-query kernel's time for
-k = 4..16 (0.52-0.69x at 128k); with fewer tiles (batch 1, k = 4 or 7) 0.86-1.90x, its splits
-each too short. At 64 heads, where one query's heads fill a tile themselves and folding gains no
-row, it took 1.18-1.50x.
+128k, k = 4..16), against the per-query kernel's time:
+- 16 heads (a per-query tile a quarter full): 0.52-0.96x with 4 tiles or more in all (0.52-0.69x
+  at 128k); with fewer (batch 1, k = 4 or 7) 0.86-1.90x, its splits each too short;
+- 32 heads (half full): 0.81-1.03x with 16 tiles or more (batch 4 at k >= 7, batch 16); with
+  fewer 0.91-1.52x;
+- 64 heads, where one query's heads fill a tile themselves and folding gains no row: 1.18-1.50x.
+Below 16 heads the per-query tile (16 rows at least) is emptier still; that is not measured.
 """
 
 from __future__ import annotations
@@ -54,8 +57,9 @@ from dcp_compile.lowering.triton.launching import (
 FOLDED_ROWS = 64
 """Rows of (query, head) pairs a program takes: one warpgroup MMA's M on Hopper, and a [64, 512]
 fp32 accumulator, the most that stays in registers (attention_tiling.MAX_BLOCK_H)."""
-MIN_FOLDED_TILES = 4
-"""Tiles in all (requests x tiles a request) below which the launcher does not fold (module docstring)."""
+MIN_FOLDED_TILES = {16: 4, 32: 16}
+"""Most heads -> the fewest tiles in all (requests x tiles a request) at which the launcher folds;
+above 32 heads it never does (module docstring)."""
 
 
 @triton.jit(do_not_specialize=["rows", "heads", "width", "num_splits", "tiles"])
@@ -181,12 +185,12 @@ def query_starts(q_seq_ids: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def folds(tokens: int, rows: int, heads: int) -> bool:
-    """Whether the launcher folds `tokens` queries over `rows` requests at `heads` heads: where one
-    query's heads leave a tile part empty and there are MIN_FOLDED_TILES tiles or more (module
-    docstring). Shapes only: the choice reads nothing from the device."""
+    """Whether the launcher folds `tokens` queries over `rows` requests at `heads` heads: at most
+    32 heads, with MIN_FOLDED_TILES tiles or more (module docstring). Shapes only: the choice
+    reads nothing from the device."""
+    fewest = next((tiles for most, tiles in sorted(MIN_FOLDED_TILES.items()) if heads <= most), None)
     mean_queries = max(1, -(-tokens // max(rows, 1)))
-    tiles = triton.cdiv(mean_queries * heads, FOLDED_ROWS)
-    return heads < FOLDED_ROWS and rows * tiles >= MIN_FOLDED_TILES
+    return fewest is not None and rows * triton.cdiv(mean_queries * heads, FOLDED_ROWS) >= fewest
 
 
 def folded_partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids,

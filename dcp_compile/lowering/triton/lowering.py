@@ -61,8 +61,8 @@ class TritonLowering(Lowering):
 
     def folds_verify(self, pool) -> bool:
         """verify_attention='auto': whether the folded kernel serves verify here. Its launcher
-        folds only at the shapes where it measured faster than Triton's per-query kernel (below 64
-        heads, 4 tiles or more) and runs that one elsewhere (folded_attention.folds)."""
+        folds only at the shapes where it measured faster than Triton's per-query kernel (at most 32
+        heads, with enough tiles) and runs that one elsewhere (folded_attention.folds)."""
         return True
 
     def passes(self) -> list:
