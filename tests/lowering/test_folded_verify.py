@@ -37,25 +37,32 @@ def _calls(gm, target):
 
 
 @pytest.mark.parametrize("dcp_size", [1, 2])
-def test_the_triton_back_end_folds_verify_and_keeps_decode_on_its_per_query_kernel(dcp_size):
-    verify = _lowered("triton", "verify", dcp_size)
-    assert len(_calls(verify, FOLDED)) == 3 and not _calls(verify, PER_QUERY)  # the tiny preset's 3 MLA layers
-    decode = _lowered("triton", "decode", dcp_size)
-    assert len(_calls(decode, PER_QUERY)) == 3 and not _calls(decode, FOLDED)
+def test_the_triton_back_end_sends_attention_over_the_pool_to_the_folded_launcher(dcp_size):
+    """Decode and verify alike: the launcher chooses by each step's shapes, so a graph symbolic in
+    the batch has no T == B guard."""
+    for mode in ("verify", "decode"):
+        gm = _lowered("triton", mode, dcp_size)
+        assert len(_calls(gm, FOLDED)) == 3 and not _calls(gm, PER_QUERY)  # the tiny preset's 3 MLA layers
     unfolded = _lowered("triton", "verify", dcp_size, verify_attention="default")
     assert len(_calls(unfolded, PER_QUERY)) == 3 and not _calls(unfolded, FOLDED)
 
 
 @pytest.mark.parametrize("dcp_size", [1, 2])
-def test_flashinfer_leaves_verify_to_the_folded_kernel_only_when_asked(dcp_size):
+def test_flashinfer_leaves_verify_to_the_folded_kernel_only_when_asked(dcp_size, monkeypatch):
+    from dcp_compile.lowering.flashinfer import lowering as flashinfer_lowering
+    from dcp_compile.lowering.triton.lower_kernels import LowerKernels
+
     flashinfer.ensure_ops()
     paged = torch.ops.dcp_flashinfer.mla_paged_attention.default
     assert len(_calls(_lowered("flashinfer", "verify", dcp_size), paged)) == 3
+    # Its general kernels lower CUDA pools only; here the shape-only capture's meta pool stands in.
+    monkeypatch.setattr(flashinfer_lowering, "LowerKernels",
+                        lambda devices, fold_verify: LowerKernels(devices=None, fold_verify=fold_verify))
     folded = _lowered("flashinfer", "verify", dcp_size, verify_attention="folded")
-    # On a CPU pool its general kernels are the torch reference (lower_kernels runs on CUDA pools):
-    # no FlashInfer plan and no window split is left in the verify graph.
+    assert len(_calls(folded, FOLDED)) == 3
     assert not _calls(folded, paged) and not _calls(folded, torch.ops.dcp.window_attention.default)
-    assert len(_calls(_lowered("flashinfer", "decode", dcp_size, verify_attention="folded"), paged)) == 3
+    decode = _lowered("flashinfer", "decode", dcp_size, verify_attention="folded")
+    assert len(_calls(decode, paged)) == 3 and not _calls(decode, FOLDED)
 
 
 def test_auto_folds_verify_on_triton_and_keeps_flashinfers_kernel():
@@ -69,6 +76,9 @@ def test_auto_folds_verify_on_triton_and_keeps_flashinfers_kernel():
 
 
 def _logits(kernels, **options):
+    """The logits of a prefill, a verify and a decode step, and the graphs dynamo compiled after the first."""
+    from torch._dynamo.utils import counters
+
     model = MLAModel(preset("tiny"), kv_capacity=160, max_requests=4, seed=7)
     model = dcp_compile.apply(model, 1, config=DCPConfig(kernels=kernels, options=options))
     table = RequestTable(4, 40, 160)
@@ -76,7 +86,10 @@ def _logits(kernels, **options):
              # verify: 5 queries a request on three requests and a padded row
              table.extend_batch([0, 1, 2], [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [5, 8, 9, 7, 9]], pad_rows=1),
              table.extend_batch([0, 1, 2], [[2], [7], [1]], pad_rows=1)]
-    return [model(*batch.args()) for batch in steps]
+    logits = [model(*steps[0].args())]
+    graphs = counters["stats"]["unique_graphs"]
+    logits += [model(*batch.args()) for batch in steps[1:]]
+    return logits, counters["stats"]["unique_graphs"] - graphs
 
 
 def test_the_folded_kernel_gives_the_reference_logits_through_the_model(monkeypatch):
@@ -86,9 +99,32 @@ def test_the_folded_kernel_gives_the_reference_logits_through_the_model(monkeypa
     launch = folded_attention.folded_partial_attention_into
     monkeypatch.setattr(folded_attention, "folded_partial_attention_into",
                         lambda *args, **kwargs: launches.append(args[0].shape) or launch(*args, **kwargs))
-    got, want = _logits("triton"), _logits("torch")
-    # every layer of the two steps with several queries a row (34 and 16 tokens over 4 rows)
-    assert sorted({shape[0] for shape in launches}) == [16, 34] and len(launches) == 6
-    assert all(folded_attention.folds(tokens, 4, heads) for tokens, heads, _ in launches)  # folded, not handed on
+    (got, graphs), (want, _) = _logits("triton"), _logits("torch")
+    assert graphs == 0  # one graph, symbolic in the batch, serves decode and verify: no T == B guard
+    # every layer of the three steps: 34, 16 and 4 tokens over 4 rows
+    assert sorted({shape[0] for shape in launches}) == [4, 16, 34] and len(launches) == 9
+    # the prefill (34 tokens: 9 a row on average) and verify (16) steps folded; decode went on to
+    # the per-query kernel
+    folded = [folded_attention.folds(tokens, 4, heads) for tokens, heads, _ in launches]
+    assert sum(folded) == 6 and all(folds == (tokens != 4) for folds, (tokens, _, _) in zip(folded, launches))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_a_batch_not_grouped_by_row_is_refused_not_served():
+    """The folded kernel needs a row's tokens together and rows in order (RequestTable's batches);
+    a hand-built batch that interleaves its rows' tokens raises instead of giving wrong logits."""
+    from dcp_compile.runtime.batch import ForwardBatch
+
+    model = dcp_compile.apply(MLAModel(preset("tiny"), kv_capacity=160, max_requests=4, seed=7), 1,
+                              config=DCPConfig(kernels="triton"))
+    table = RequestTable(4, 40, 160)
+    model(*table.extend_batch([0, 1, 2], [list(range(1, 30)), [9], [4, 2, 7]]).args())
+    batch = table.extend_batch([0, 1, 2], [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [5, 8, 9, 7, 9]], pad_rows=1)
+    tokens = batch.input_ids.shape[0]
+    order = torch.cat([torch.arange(15).view(3, 5).t().reshape(-1), torch.arange(15, tokens)])  # r0 t0, r1 t0, ...
+    interleaved = ForwardBatch(batch.input_ids[order], batch.positions[order], batch.q_seq_ids[order],
+                               batch.out_loc[order], batch.req_to_token, batch.seq_lens, batch.state_slots,
+                               torch.argsort(order)[batch.logits_index])
+    with pytest.raises(ValueError, match="not grouped by row in row order"):
+        model(*interleaved.args())

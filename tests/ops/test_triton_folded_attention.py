@@ -134,18 +134,45 @@ def test_folded_attention_without_queries():
     assert out.shape == (0, 2, 32) and lse.shape == (0, 2)
 
 
+@pytest.mark.parametrize("order", ["swapped", "interleaved", "reversed"])
+def test_tokens_not_grouped_by_row_set_the_token_order_flag(order):
+    """The kernel's precondition, checked on the device: a batch whose tokens are not grouped by
+    row in row order sets runtime.guards' token_order flag; a grouped one leaves it clear."""
+    from dcp_compile.runtime import guards
+
+    args = list(_inputs(LENGTHS, 4, 1, 1, 0, seed=6))
+    flag = folded_attention.token_order_flag(torch.device("cpu"))
+    flag.zero_()
+    _run(args)
+    assert int(flag) == 0
+    tokens = args[0].shape[0]
+    permutation = {"swapped": torch.cat([torch.arange(4, tokens), torch.arange(4)]),
+                   "interleaved": torch.arange(tokens).view(-1, 2).t().reshape(-1) if tokens % 2 == 0
+                   else torch.cat([torch.arange(tokens - 1).view(-1, 2).t().reshape(-1), torch.tensor([tokens - 1])]),
+                   "reversed": torch.arange(tokens - 1, -1, -1)}[order]
+    for i in (0, 1, 6, 7):
+        args[i] = args[i][permutation]
+    _run(args)
+    assert int(flag) == 1
+    flag.zero_()
+    with pytest.raises(ValueError, match="not grouped by row"):
+        guards.raise_for([int(i == guards.INDEX["token_order"]) for i in range(len(guards.ERRORS))])
+
+
 def test_query_starts_of_grouped_ids():
     ids = torch.tensor([0, 0, 0, 2, 2, 3], dtype=torch.int32)
     assert folded_attention.query_starts(ids, 5).tolist() == [0, 3, 3, 5, 6, 6]
 
 
 def test_the_launcher_folds_only_where_it_measured_faster(monkeypatch):
-    """At 16 heads from 4 tiles, at 32 from 16; a query's 64 heads fill a tile themselves, and a
-    few tiles leave the folded kernel's splits too short: there, the per-query kernel."""
+    """Verify's measured range (4..16 queries a request on average), at 16 heads from 4 tiles, at
+    32 from 16; a query's 64 heads fill a tile themselves, and a few tiles leave the folded
+    kernel's splits too short: there, and at decode and long chunks, the per-query kernel."""
     assert folded_attention.folds(4 * 7, 4, 16) and folded_attention.folds(16, 1, 16)
     assert folded_attention.folds(4 * 7, 4, 32) and folded_attention.folds(16 * 4, 16, 32)
     assert not folded_attention.folds(4 * 4, 4, 32) and not folded_attention.folds(16, 1, 32)
     assert not folded_attention.folds(4 * 7, 4, 64) and not folded_attention.folds(7, 1, 16)
+    assert not folded_attention.folds(64, 64, 16) and not folded_attention.folds(64 * 17, 64, 16)
     per_query = []
     launch = attention.partial_attention_into
     monkeypatch.setattr(attention, "partial_attention_into",
@@ -153,7 +180,7 @@ def test_the_launcher_folds_only_where_it_measured_faster(monkeypatch):
     args = _inputs([9, 30], 3, 1, 1, 0, heads=64, rank_dim=16, rope_dim=16, seed=3)
     _assert_close(_run(args, fold=None), reference.partial_attention(*args, SCALE), FP32)
     assert per_query == [(6, 64, 16)]
-    args = _inputs(LENGTHS, 3, 1, 1, 0, seed=4)
+    args = _inputs(LENGTHS, 16, 1, 1, 0, seed=4)  # 42 tokens over 7 rows, 5 heads: folded
     _assert_close(_run(args, fold=None), reference.partial_attention(*args, SCALE), FP32)
     assert len(per_query) == 1
 

@@ -2,7 +2,9 @@
 
 Same contract as `attention.partial_attention` (and `reference.partial_attention`), with one
 more precondition: the query tokens are grouped by request, in request order (the batches of
-RequestTable: decode, verify and extend steps over the pool). Verify's k draft tokens of a
+RequestTable: decode, verify and extend steps over the pool). A batch that breaks it sets the
+device's `token_order` error flag (runtime/guards.py), which the compiled model raises at its
+next step (at once on the CPU), as it does for the batch guard's errors. Verify's k draft tokens of a
 request read the same keys, so a program takes BLOCK_M rows of (query, head) pairs of one
 request, k x heads rows in all, and each KV block it loads serves every one of them: FlashMLA's
 layout (the draft tokens folded into the head dimension). The per-query kernel in attention.py
@@ -35,6 +37,7 @@ import triton
 import triton.language as tl
 
 from dcp_compile.lowering.triton import attention
+from dcp_compile.runtime import guards
 from dcp_compile.lowering.triton.attention import (
     _LN2,
     MERGE_BLOCK_H,
@@ -57,16 +60,33 @@ from dcp_compile.lowering.triton.launching import (
 FOLDED_ROWS = 64
 """Rows of (query, head) pairs a program takes: one warpgroup MMA's M on Hopper, and a [64, 512]
 fp32 accumulator, the most that stays in registers (attention_tiling.MAX_BLOCK_H)."""
+FOLDED_QUERIES = range(4, 17)
+"""Queries a request (on average) at which the launcher folds: the k it was measured at."""
 MIN_FOLDED_TILES = {16: 4, 32: 16}
 """Most heads -> the fewest tiles in all (requests x tiles a request) at which the launcher folds;
 above 32 heads it never does (module docstring)."""
 
 
-@triton.jit(do_not_specialize=["rows", "heads", "width", "num_splits", "tiles"])
+@triton.jit
+def _check_token_order(q_seq_ids_ptr, stride_q_seq_ids, error_ptr, request, rows, tokens, first_token, queries,
+                       first_tile, tiles, BLOCK_M: tl.constexpr):
+    """Flag (error_ptr) a batch whose tokens are not grouped by row in row order: the ranges
+    searchsorted found must tile [0, tokens) in order, and each token in a row's range carry its id."""
+    bad = (queries < 0) | ((request == 0) & (first_token != 0)) | ((request == rows - 1) & (first_token + queries != tokens))
+    offsets = tl.arange(0, BLOCK_M)
+    for first in range(first_tile * BLOCK_M, queries, tiles * BLOCK_M):
+        index = first + offsets
+        ids = tl.load(q_seq_ids_ptr + (first_token + index) * stride_q_seq_ids, mask=index < queries, other=request)
+        bad = bad | (tl.max((ids != request).to(tl.int32), 0) > 0)
+    if bad:
+        tl.store(error_ptr, 1)
+
+
+@triton.jit(do_not_specialize=["rows", "tokens", "heads", "width", "num_splits", "tiles"])
 def _attend_folded_kernel(
     q_latent_ptr, q_rope_ptr, latent_cache_ptr, rope_cache_ptr, page_table_ptr, seq_lens_ptr, key_positions_ptr,
-    query_starts_ptr, q_positions_ptr, split_out_ptr, split_lse_ptr,
-    rows, heads, width, num_splits, tiles, scale_log2,
+    query_starts_ptr, q_seq_ids_ptr, q_positions_ptr, split_out_ptr, split_lse_ptr, error_ptr,
+    rows, tokens, heads, width, num_splits, tiles, scale_log2,
     stride_q_latent_token, stride_q_latent_head, stride_q_latent_col,
     stride_q_rope_token, stride_q_rope_head, stride_q_rope_col,
     stride_latent_cache_row, stride_latent_cache_col,
@@ -74,7 +94,7 @@ def _attend_folded_kernel(
     stride_table_req, stride_table_col,
     stride_seq_lens,
     stride_key_positions_req, stride_key_positions_col,
-    stride_q_positions,
+    stride_q_seq_ids, stride_q_positions,
     stride_split_out_token, stride_split_out_split, stride_split_out_head,
     stride_split_lse_token, stride_split_lse_split,
     RANK_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
@@ -95,6 +115,9 @@ def _attend_folded_kernel(
         split = tl.cast(work // (tiles * rows), tl.int64)
         first_token = tl.load(query_starts_ptr + request).to(tl.int64)
         queries = tl.load(query_starts_ptr + request + 1).to(tl.int64) - first_token
+        if split == 0:  # once a (request, tile), whether or not the request has keys
+            _check_token_order(q_seq_ids_ptr, stride_q_seq_ids, error_ptr, request, rows, tokens, first_token, queries,
+                               first_tile, tiles, BLOCK_M)
         seq_len = tl.load(seq_lens_ptr + request * stride_seq_lens).to(tl.int32)
         length, keys_per_split = _keys_per_split(seq_len, width, num_splits, BLOCK_N)
         start = split * keys_per_split
@@ -177,6 +200,12 @@ def choose_folded_tiling(tokens: int, rows: int, heads: int, width: int, device:
     return AttentionTiling(num_splits=num_splits, block_h=block_m, block_n=64, num_warps=8, num_stages=2), tiles
 
 
+def token_order_flag(device: torch.device) -> torch.Tensor:
+    """This device's `token_order` flag (a view of runtime.guards.error_flags), int32 [1]."""
+    index = guards.INDEX["token_order"]
+    return guards.error_flags(device)[index : index + 1]
+
+
 def query_starts(q_seq_ids: torch.Tensor, rows: int) -> torch.Tensor:
     """[rows + 1] int32: request b's queries are tokens query_starts[b] .. query_starts[b + 1] - 1
     (q_seq_ids grouped by request, in request order). On the device, no read back."""
@@ -185,12 +214,14 @@ def query_starts(q_seq_ids: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def folds(tokens: int, rows: int, heads: int) -> bool:
-    """Whether the launcher folds `tokens` queries over `rows` requests at `heads` heads: at most
-    32 heads, with MIN_FOLDED_TILES tiles or more (module docstring). Shapes only: the choice
-    reads nothing from the device."""
+    """Whether the launcher folds `tokens` queries over `rows` requests at `heads` heads: verify's
+    measured range (FOLDED_QUERIES queries a request on average), at most 32 heads, with
+    MIN_FOLDED_TILES tiles or more (module docstring); decode (one query a request) never. Shapes
+    only: the choice reads nothing from the device."""
     fewest = next((tiles for most, tiles in sorted(MIN_FOLDED_TILES.items()) if heads <= most), None)
-    mean_queries = max(1, -(-tokens // max(rows, 1)))
-    return fewest is not None and rows * triton.cdiv(mean_queries * heads, FOLDED_ROWS) >= fewest
+    mean_queries = -(-tokens // max(rows, 1))
+    return (fewest is not None and mean_queries in FOLDED_QUERIES
+            and rows * triton.cdiv(mean_queries * heads, FOLDED_ROWS) >= fewest)
 
 
 def folded_partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids,
@@ -227,8 +258,9 @@ def folded_partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_le
     latent_addressing, rope_addressing = row_addressing(latent_cache), row_addressing(rope_part)
     if rows > 0:
         _attend_folded_kernel[grid_for(rows * tiles * tiling.num_splits)](
-            q_latent, q_rope, latent_cache, rope_part, page_table, seq_lens, key_positions, starts, q_positions,
-            split_out, split_lse, rows, heads, width, tiling.num_splits, tiles, sm_scale / _LN2,
+            q_latent, q_rope, latent_cache, rope_part, page_table, seq_lens, key_positions, starts, q_seq_ids,
+            q_positions, split_out, split_lse, token_order_flag(q_latent.device),
+            rows, tokens, heads, width, tiling.num_splits, tiles, sm_scale / _LN2,
             q_latent.stride(0), q_latent.stride(1), q_latent.stride(2),
             q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
             *latent_addressing[:2],
@@ -236,7 +268,7 @@ def folded_partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_le
             page_table.stride(0), page_table.stride(1),
             seq_lens.stride(0),
             key_positions.stride(0), key_positions.stride(1),
-            q_positions.stride(0),
+            q_seq_ids.stride(0), q_positions.stride(0),
             split_out.stride(0), split_out.stride(1), split_out.stride(2),
             split_lse.stride(0), split_lse.stride(1),
             RANK_DIM=rank_dim, ROPE_DIM=rope_dim,

@@ -3,9 +3,10 @@
     before: dcp.mla_partial_attention(...); dcp.sharded_kv_write(...); dcp.mla_attention(...)
     after:  dcp_triton.mla_partial_attention(...); dcp_triton.sharded_kv_write(...);
             dcp_triton.mla_partial_attention(..., key_positions=arange(L).expand(B, L), ...)[0]
-    with fold_verify, an attention over the pool with T != B queries (verify, extend) in a
-    gather-q or replicated-q graph takes dcp_triton.mla_folded_partial_attention instead (same
-    arguments; its queries are grouped by request there, as RequestTable builds every batch).
+    with fold_verify, an attention over the pool in a gather-q or replicated-q graph takes
+    dcp_triton.mla_folded_partial_attention instead (same arguments; its queries are grouped by
+    request there, as RequestTable builds every batch, and its kernel flags a batch that is not),
+    whose launcher folds verify's shapes and runs the per-query kernel for the others.
 
 Assumes: the DCP rewrites ran (or were switched off); what is left of the canonical ops has the
 unsharded meaning, which the Triton kernels serve with dcp_size 1.
@@ -47,11 +48,11 @@ class LowerKernels(GraphPass):
         self.devices = devices
         self.fold_verify = fold_verify
 
-    def _attention_op(self, config: PassConfig, q_latent: fx.Node, page_table: fx.Node):
-        """The partial-attention op of one attention over the pool: the folded kernel's where it
-        folds verify, the queries are not one a row, and the graph's batches are RequestTable's."""
-        tokens, rows = fake_value(q_latent).shape[0], fake_value(page_table).shape[0]
-        if self.fold_verify and config.attention_strategy in POOL_STRATEGIES and tokens != rows:
+    def _attention_op(self, config: PassConfig):
+        """The partial-attention op of an attention over the pool: the folded kernel's where it
+        folds verify and the graph's batches are RequestTable's (its launcher takes decode to the
+        per-query kernel by the step's shapes: a graph symbolic in the batch guards on no T == B)."""
+        if self.fold_verify and config.attention_strategy in POOL_STRATEGIES:
             return triton_op("mla_folded_partial_attention")
         return triton_op("mla_partial_attention")
 
@@ -66,7 +67,7 @@ class LowerKernels(GraphPass):
             if node.op == "call_function" and node.target in swaps:
                 node.target = swaps[node.target]
                 if node.target == triton_op("mla_partial_attention"):
-                    node.target = self._attention_op(config, node.args[0], node.args[3])
+                    node.target = self._attention_op(config)
                 lowered += 1
         for site in sites.find_kv_writes(graph):
             with graph.inserting_before(site.node):
@@ -78,8 +79,7 @@ class LowerKernels(GraphPass):
             with graph.inserting_before(site.node):
                 columns = call(graph, aten.arange.default, width, dtype=fake_value(site.req_to_token).dtype, device=device)
                 positions = call(graph, aten.expand.default, columns, [size_of(graph, site.req_to_token, 0), width])
-                partial = call(graph, self._attention_op(config, site.q_latent, site.req_to_token), site.q_latent,
-                               site.q_rope, site.cache,
+                partial = call(graph, self._attention_op(config), site.q_latent, site.q_rope, site.cache,
                                site.req_to_token, site.seq_lens, positions, site.q_seq_ids, site.q_positions, site.sm_scale)
                 out = call(graph, operator.getitem, partial, 0)
             site.node.replace_all_uses_with(out)

@@ -29,12 +29,14 @@ class TritonOptions(Options):
         "choices": VERIFY_ATTENTION,
         "help": "verify and extend attention over the KV pool: the folded Triton kernel, the back end's "
                 "default kernel, or auto"})
-    """Attention over the KV pool of steps with several queries a request (verify, extend), in the
-    graphs that read the pool in place (gather-q, replicated-q), whose queries are grouped by
-    request: 'folded', the folded Triton kernel (lowering/triton/folded_attention.py: a request's
-    queries x heads as the rows of one tile, each KV block read once for all of them); 'default',
-    the back end's own kernel (Triton's per-query split-KV kernel; FlashInfer's fa3 MLA); 'auto'
-    (default): the back end's choice (`folds_verify`). Decode steps keep the default kernel."""
+    """Attention over the KV pool in the graphs that read the pool in place (gather-q,
+    replicated-q), whose queries are grouped by request: 'folded', through the folded Triton
+    kernel's launcher (lowering/triton/folded_attention.py), which folds a request's queries x
+    heads into the rows of one tile (each KV block read once for all of them) at verify's shapes
+    where that measured faster, and runs Triton's per-query kernel at the others (decode
+    included); 'default', the back end's own kernel (Triton's per-query split-KV kernel;
+    FlashInfer's fa3 MLA, whose decode stays with fa3 under 'folded' too); 'auto' (default): the
+    back end's choice (`folds_verify`)."""
 
 
 class TritonLowering(Lowering):
