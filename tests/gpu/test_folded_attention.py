@@ -85,3 +85,18 @@ def test_it_agrees_with_the_per_query_kernel_in_fp32():
     want_out, want_lse = attention.partial_attention(*args, SCALE)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_tokens_not_grouped_by_row_set_the_token_order_flag_on_the_device():
+    args = list(_local_inputs(16, dcp_size=2, rank=1, per_request=7, seed=11))
+    flag = folded_attention.token_order_flag(DEVICE)
+    flag.zero_()
+    _captured(args, fold=True)()
+    assert int(flag) == 0
+    order = torch.arange(args[0].shape[0] - 1, -1, -1, device=DEVICE)  # the rows' tokens in reverse
+    for i in (0, 1, 6, 7):
+        args[i] = args[i][order]
+    folded_attention.folded_partial_attention(*args, SCALE)
+    torch.cuda.synchronize()
+    assert int(flag) == 1
+    flag.zero_()
