@@ -76,8 +76,9 @@ def _check_token_order(q_seq_ids_ptr, stride_q_seq_ids, error_ptr, request, rows
     offsets = tl.arange(0, BLOCK_M)
     for first in range(first_tile * BLOCK_M, queries, tiles * BLOCK_M):
         index = first + offsets
-        ids = tl.load(q_seq_ids_ptr + (first_token + index) * stride_q_seq_ids, mask=index < queries, other=request)
-        bad = bad | (tl.max((ids != request).to(tl.int32), 0) > 0)
+        valid = index < queries
+        ids = tl.load(q_seq_ids_ptr + (first_token + index) * stride_q_seq_ids, mask=valid, other=0)
+        bad = bad | (tl.max(((ids != request) & valid).to(tl.int32), 0) > 0)
     if bad:
         tl.store(error_ptr, 1)
 
