@@ -199,6 +199,23 @@ def split_workspace(tokens: int, num_splits: int, heads: int, rank_dim: int, dev
             torch.empty((tokens, num_splits, heads), dtype=torch.float32, device=device))
 
 
+def check_outputs(q_latent, out, lse) -> None:
+    tokens, heads, _ = q_latent.shape
+    if out.shape != q_latent.shape or out.dtype != q_latent.dtype or lse.shape != (tokens, heads) or lse.dtype != torch.float32:
+        raise ValueError(f"out must be {tuple(q_latent.shape)} {q_latent.dtype} and lse {(tokens, heads)} float32; got "
+                         f"{tuple(out.shape)} {out.dtype} and {tuple(lse.shape)} {lse.dtype}")
+
+
+def checked_workspace(workspace, tiling: AttentionTiling, q_latent) -> tuple[torch.Tensor, torch.Tensor]:
+    """`workspace` (or a new one) after checking it is split_workspace's for this call."""
+    tokens, heads, rank_dim = q_latent.shape
+    split_out, split_lse = workspace or split_workspace(tokens, tiling.num_splits, heads, rank_dim, q_latent.device)
+    if split_out.shape != (tokens, tiling.num_splits, heads, rank_dim) or split_out.stride(3) != 1 \
+            or split_lse.shape != (tokens, tiling.num_splits, heads) or split_lse.stride(2) != 1:
+        raise ValueError("workspace must be split_workspace(T, num_splits, H, R) for this call")
+    return split_out, split_lse
+
+
 def _check_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions, rope_cache=None):
     """The cache's (latent, rope) parts (launching.cache_parts), after checking every input."""
     for name, tensor in (("q_latent", q_latent), ("q_rope", q_rope)):
@@ -236,17 +253,12 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
     tokens, heads, rank_dim = q_latent.shape
     rope_dim = q_rope.shape[2]
     width = page_table.shape[1]
-    if out.shape != q_latent.shape or out.dtype != q_latent.dtype or lse.shape != (tokens, heads) or lse.dtype != torch.float32:
-        raise ValueError(f"out must be {tuple(q_latent.shape)} {q_latent.dtype} and lse {(tokens, heads)} float32; got "
-                         f"{tuple(out.shape)} {out.dtype} and {tuple(lse.shape)} {lse.dtype}")
+    check_outputs(q_latent, out, lse)
     if tokens == 0 or heads == 0:
         return
     tiling = tiling or choose_tiling(tokens, heads, width, q_latent.device, kv_cache.dtype)
     head_tiles = triton.cdiv(heads, tiling.block_h)
-    split_out, split_lse = workspace or split_workspace(tokens, tiling.num_splits, heads, rank_dim, q_latent.device)
-    if split_out.shape != (tokens, tiling.num_splits, heads, rank_dim) or split_out.stride(3) != 1 \
-            or split_lse.shape != (tokens, tiling.num_splits, heads) or split_lse.stride(2) != 1:
-        raise ValueError("workspace must be split_workspace(T, num_splits, H, R) for this call")
+    split_out, split_lse = checked_workspace(workspace, tiling, q_latent)
     # The dots take the cache's dtype on a device, fp32 under the interpreter, whose tl.dot
     # multiplies the raw bits of bf16 (triton-lang/triton#11584). fp32 dots ask for IEEE
     # precision: the default TF32 would miss the reference by 1e-3.
@@ -270,6 +282,13 @@ def partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_lens, key
         DOT_PRECISION="ieee" if dot_in_fp32 else None, LN2=_LN2, NZ_BLOCK=row_addressing(latent_cache)[2],
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
+    merge_splits(split_out, split_lse, seq_lens, q_seq_ids, width, tiling, out, lse)
+
+
+def merge_splits(split_out, split_lse, seq_lens, q_seq_ids, width: int, tiling: AttentionTiling, out, lse) -> None:
+    """Stage 2: each (query, head)'s splits merged by their LSE into out and lse; a split is read
+    where its request has keys in it (`_keys_per_split` of the page-table width and tiling)."""
+    tokens, _, heads, rank_dim = split_out.shape
     # Under the interpreter a work item costs Python per op, not registers: one takes every head.
     most_heads = MAX_BLOCK_H if is_interpreted(_merge_splits_kernel) else MERGE_BLOCK_H
     merge_heads = min(most_heads, triton.next_power_of_2(heads))

@@ -38,15 +38,8 @@ import triton.language as tl
 
 from dcp_compile.lowering.triton import attention
 from dcp_compile.runtime import guards
-from dcp_compile.lowering.triton.attention import (
-    _LN2,
-    MERGE_BLOCK_H,
-    _check_inputs,
-    _keys_per_split,
-    _merge_splits_kernel,
-    split_workspace,
-)
-from dcp_compile.lowering.triton.attention_tiling import MAX_BLOCK_H, AttentionTiling, choose_num_splits, parallel_units
+from dcp_compile.lowering.triton.attention import _LN2, _check_inputs, _keys_per_split
+from dcp_compile.lowering.triton.attention_tiling import AttentionTiling, choose_num_splits, parallel_units
 from dcp_compile.lowering.triton.launching import (
     block_size,
     cache_offsets,
@@ -242,17 +235,12 @@ def folded_partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_le
     tokens, heads, rank_dim = q_latent.shape
     rope_dim = q_rope.shape[2]
     rows, width = page_table.shape
-    if out.shape != q_latent.shape or out.dtype != q_latent.dtype or lse.shape != (tokens, heads) or lse.dtype != torch.float32:
-        raise ValueError(f"out must be {tuple(q_latent.shape)} {q_latent.dtype} and lse {(tokens, heads)} float32; got "
-                         f"{tuple(out.shape)} {out.dtype} and {tuple(lse.shape)} {lse.dtype}")
+    attention.check_outputs(q_latent, out, lse)
     if tokens == 0 or heads == 0:
         return
     chosen, chosen_tiles = choose_folded_tiling(tokens, rows, heads, width, q_latent.device, kv_cache.dtype)
     tiling, tiles = tiling or chosen, tiles or chosen_tiles
-    split_out, split_lse = workspace or split_workspace(tokens, tiling.num_splits, heads, rank_dim, q_latent.device)
-    if split_out.shape != (tokens, tiling.num_splits, heads, rank_dim) or split_out.stride(3) != 1 \
-            or split_lse.shape != (tokens, tiling.num_splits, heads) or split_lse.stride(2) != 1:
-        raise ValueError("workspace must be split_workspace(T, num_splits, H, R) for this call")
+    split_out, split_lse = attention.checked_workspace(workspace, tiling, q_latent)
     starts = query_starts(q_seq_ids, rows)
     # As in attention.py: the cache's dtype in the dots on a device, IEEE fp32 under the interpreter.
     dot_in_fp32 = kv_cache.dtype == torch.float32 or is_interpreted(_attend_folded_kernel)
@@ -278,20 +266,7 @@ def folded_partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_le
             DOT_PRECISION="ieee" if dot_in_fp32 else None, LN2=_LN2, NZ_BLOCK=latent_addressing[2],
             num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )
-    most_heads = MAX_BLOCK_H if is_interpreted(_merge_splits_kernel) else MERGE_BLOCK_H
-    merge_heads = min(most_heads, triton.next_power_of_2(heads))
-    merge_tiles = triton.cdiv(heads, merge_heads)
-    _merge_splits_kernel[grid_for(tokens * merge_tiles)](
-        split_out, split_lse, seq_lens, q_seq_ids, out, lse,
-        tokens, heads, width, tiling.num_splits, merge_tiles,
-        split_out.stride(0), split_out.stride(1), split_out.stride(2),
-        split_lse.stride(0), split_lse.stride(1),
-        seq_lens.stride(0), q_seq_ids.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        RANK_DIM=rank_dim, BLOCK_R=block_size(rank_dim), BLOCK_N=tiling.block_n, BLOCK_H=merge_heads,
-        num_warps=4,
-    )
+    attention.merge_splits(split_out, split_lse, seq_lens, q_seq_ids, width, tiling, out, lse)
 
 
 def folded_partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions,
