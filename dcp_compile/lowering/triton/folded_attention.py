@@ -185,13 +185,18 @@ def choose_folded_tiling(tokens: int, rows: int, heads: int, width: int, device:
     heuristic does, counting tiles instead of (query, head tile) pairs.
     """
     most_rows = FOLDED_ROWS if cache_dtype != torch.float32 else FOLDED_ROWS // 2
-    mean_queries = max(1, -(-tokens // max(rows, 1)))
+    mean_queries = max(1, _mean_queries(tokens, rows))
     block_m = min(most_rows, max(16, triton.next_power_of_2(mean_queries * heads)))
     tiles = triton.cdiv(mean_queries * heads, block_m)
     num_splits = choose_num_splits(max(1, rows * tiles), width, parallel_units(device))
     if cache_dtype == torch.float32:
         return AttentionTiling(num_splits=num_splits, block_h=block_m, block_n=16, num_warps=8, num_stages=2), tiles
     return AttentionTiling(num_splits=num_splits, block_h=block_m, block_n=64, num_warps=8, num_stages=2), tiles
+
+
+def _mean_queries(tokens: int, rows: int) -> int:
+    """Queries a request, rounded up: verify's k where every request has k."""
+    return -(-tokens // max(rows, 1))
 
 
 def token_order_flag(device: torch.device) -> torch.Tensor:
@@ -213,7 +218,7 @@ def folds(tokens: int, rows: int, heads: int) -> bool:
     MIN_FOLDED_TILES tiles or more (module docstring); decode (one query a request) never. Shapes
     only: the choice reads nothing from the device."""
     fewest = next((tiles for most, tiles in sorted(MIN_FOLDED_TILES.items()) if heads <= most), None)
-    mean_queries = -(-tokens // max(rows, 1))
+    mean_queries = _mean_queries(tokens, rows)
     return (fewest is not None and mean_queries in FOLDED_QUERIES
             and rows * triton.cdiv(mean_queries * heads, FOLDED_ROWS) >= fewest)
 
