@@ -17,8 +17,10 @@ GLOO_SCENARIOS = [
     # stay in the scheduler's logical address space, so nothing needs scaling by N.
     Scenario(mode="extend", dcp_size=2, tp_size=2, batch=3, contexts=(20, 14, 1), chunk=6, steps=2, interleave=4,
              shared_prefix=8, seed=9),
-    # The DCP model on the Triton kernels (interpreted on CPU), against the reference baseline.
-    Scenario(mode="verify", dcp_size=2, tp_size=2, batch=2, contexts=(1, 12), draft_len=3, steps=1, seed=10,
+    # The DCP model on the Triton kernels (interpreted on CPU), against the reference baseline: 4
+    # queries a request over 4 rows at 8 gathered heads, a shape the folded kernel folds
+    # (lowering/triton/folded_attention.folds).
+    Scenario(mode="verify", dcp_size=2, tp_size=2, batch=4, contexts=(1, 12, 5, 20), draft_len=4, steps=1, seed=10,
              kernels="triton", attention_strategy="gather-q"),
 ]
 MATRIX_SCENARIOS = [
