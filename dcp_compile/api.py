@@ -78,7 +78,8 @@ class DCPModel(nn.Module):
         this strategy per batch shape (Lowering.static_shapes), a ValueError. Call it first with
         the largest bucket: the first call's sizes are the compile's size hints, which inductor
         tiles and fuses for (a compile hinted at one row failed in inductor's codegen on an H100,
-        torch 2.11)."""
+        torch 2.11). The step shares the model's failure latch (`step.latch`), which a GraphRunner
+        built over it takes for its replays."""
         state = self.dcp_state
         if symbolic and state.lowering.static_shapes(strategy_name, state.config):
             raise ValueError(f"kernels={state.lowering.name!r} compiles the {strategy_name} step per batch shape (with "
@@ -97,7 +98,8 @@ class DCPModel(nn.Module):
             finally:
                 model._dcp_step_running = False
 
-        return step
+        # The model's latch: a failed step stops the compiled steps and a runner's replays too.
+        return self._compiled_step.latched(step)
 
     @torch.compiler.disable(reason="dcp_compile runs its own compile of the model; an outer compile cannot inline it")
     def forward(self, *args, host_metadata: HostMetadata | None = None, **kwargs):

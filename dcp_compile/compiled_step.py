@@ -5,9 +5,9 @@ What a front end gets from CompiledStep:
 - the dynamo variants: a static and a symbolic-shape compile of its function per strategy,
   each through the strategy's DCPBackend, under recompile limits that suit one graph per shape;
 - `guarded()`, around a whole step: one step at a time per model (a second thread waits for
-  the first's step: a step's host inputs sit in the model's one host slot), the failure latch
-  (runtime/failure.py) and the device error flags (runtime/guards.py), read back after each
-  step and raised at the next;
+  the first's step: a step's host inputs sit in the model's one host slot), the failure rule
+  (runtime/failure.py: agreed errors leave the model serving, any other latches it) and the
+  device error flags (runtime/guards.py), read back after each step and raised at the next;
 - `run()`, the compiled call: the DCP peers' agreement on the batch shapes (runtime/peers.py),
   the step's host metadata in the host slot (runtime/host_inputs.py), and the passes' own
   errors raised as they are, not wrapped in dynamo's compiler-failure report.
@@ -35,7 +35,7 @@ from dcp_compile.lowering.base import Lowering
 from dcp_compile.passes.cache_use import CacheMisuseError
 from dcp_compile.passes.graph_utils import RewriteError
 from dcp_compile.runtime import guards, parallel
-from dcp_compile.runtime.failure import FailureLatch
+from dcp_compile.runtime.failure import FailureLatch, agreed
 from dcp_compile.runtime.host_inputs import HostSlot
 from dcp_compile.runtime.host_metadata import HostMetadata
 from dcp_compile.runtime.kv_pool import CapacityReport, MLAKVPool
@@ -150,11 +150,22 @@ def _keeping_regions(compiled):
 class _Variant:
     """A strategy's backend under a distinct identity: one per (strategy, static or symbolic)."""
 
-    def __init__(self, backend: DCPBackend):
-        self.backend = backend
+    def __init__(self, backend: DCPBackend, symbolic: bool):
+        self.backend, self.symbolic = backend, symbolic
 
     def __call__(self, gm, example_inputs):
         return self.backend(gm, example_inputs)
+
+    def __repr__(self) -> str:  # dynamo names the backend by it in its errors
+        return f"dcp_compile({self.backend.strategy}, {'symbolic' if self.symbolic else 'static'} shapes)"
+
+
+class StepProgress:
+    """How far a guarded step got: the front end sets `collectives_done` once the step's
+    collectives have all run, so that an error after them tells the peers (runtime/failure.py)."""
+
+    def __init__(self):
+        self.collectives_done = False
 
 
 class CompiledStep:
@@ -173,13 +184,14 @@ class CompiledStep:
         # The static and the symbolic variant share the strategy's backend (its pass manager and
         # reports) through distinct callables: dynamo keys its cache by the backend object, so a
         # static call never reuses a symbolic graph. Made here, so no two threads make one twice.
-        self._compiled = {(name, symbolic): _keeping_regions(torch.compile(function, backend=_Variant(backend),
+        self._compiled = {(name, symbolic): _keeping_regions(torch.compile(function, backend=_Variant(backend, symbolic),
                                                                            fullgraph=True, dynamic=False))
                           for name, backend in state.backends.items() for symbolic in (False, True)}
         self._too_many_shapes = too_many_shapes
         self._errors = PASS_ERRORS + tuple(errors)
         config, groups = state.config, state.parallel
-        self._latch = FailureLatch(has_peers=groups.tp_size > 1 or config.dcp_size > 1)
+        self.latch = FailureLatch(has_peers=groups.tp_size > 1 or config.dcp_size > 1)
+        """The model's one latch: its steps, compiled steps, graph replays and generate() share it."""
         # One step at a time per model: a step's host inputs sit in the model's one host slot.
         self._one_step = threading.Lock()
         self._stepping_thread: int | None = None
@@ -194,27 +206,61 @@ class CompiledStep:
         return self._compiled[(strategy_name, symbolic)]
 
     @contextlib.contextmanager
-    def guarded(self):
+    def guarded(self, notify=None):
         """Around one whole step (its host-side checks included): wait for a step another thread
         runs on this model (steps of one model run one at a time), refuse it after a failed one
         where the rank has peers, raise the device error flags an earlier step set, and start
-        reading back those this one sets."""
+        reading back those this one sets. Yields the step's StepProgress. An error inside latches
+        the model unless it is agreed (runtime/failure.py). notify(failure): the front end's
+        agreement, which tells the peers of a failure after a step's collectives."""
         if self._stepping_thread == threading.get_ident():
             raise RuntimeError("a step of this model called the model again from inside the step (a re-entrant call): "
                                "steps of one model run one at a time")
         with self._one_step:
             self._stepping_thread = threading.get_ident()
             try:
-                self._latch.check()
+                self.latch.check(notify)
+                progress = StepProgress()
                 try:
-                    self._flags.raise_if_set(wait=False)
-                    yield
+                    try:
+                        self._flags.raise_if_set(wait=False)
+                    except BaseException:
+                        progress.collectives_done = True  # an earlier step's: this one's have not begun
+                        raise
+                    yield progress
+                    progress.collectives_done = True
                     self._flags.watch()
                 except BaseException as exc:
-                    self._latch.record(exc)
+                    self.latch.record(exc, collectives_done=progress.collectives_done)
                     raise
             finally:
                 self._stepping_thread = None
+
+    def check_latch(self, notify=None) -> None:
+        """Raise the latch's error if a step of this model failed (telling the peers through
+        `notify` where they are still to be told): for entry points that run no step themselves
+        before their own collectives (generate())."""
+        self.latch.check(notify)
+
+    def latched(self, step):
+        """`step` (a compiled step called directly, or by a graph runner) under the model's latch:
+        refused after a failed step, and latching on an error that is not agreed."""
+        latch = self.latch
+
+        @functools.wraps(step)
+        def call(*args, **kwargs):
+            latch.check()
+            try:
+                try:
+                    return step(*args, **kwargs)
+                except torch._dynamo.exc.BackendCompilerFailed as exc:
+                    self._raise_refusal(exc)
+            except BaseException as exc:
+                latch.record(exc)
+                raise
+
+        call.latch = latch
+        return call
 
     def check_errors(self) -> None:
         """Wait for the last step's device error flags and raise if one was set (after the step
@@ -222,17 +268,31 @@ class CompiledStep:
         with self._one_step:
             self._flags.raise_if_set(wait=True)
 
+    def _raise_refusal(self, exc: torch._dynamo.exc.BackendCompilerFailed):
+        """The passes' own errors say what is wrong with the model or the batch: raised as they
+        are, not wrapped in dynamo's compiler-failure report, and agreed: a compile runs before
+        the graph's first collective and decides from the shapes the ranks agreed on. Any other
+        compiler failure is raised as it is."""
+        inner = exc.inner_exception
+        if isinstance(inner, self._errors):
+            raise agreed(inner) from None
+        raise exc
+
     def agree_on_shapes(self, strategy_name: str, args: tuple, kwargs: dict) -> None:
         """The DCP peers' agreement on a step's batch shapes and strategy (run() makes it; a step
-        replayed from a captured graph makes it before the replay)."""
-        self._peers.check(args, kwargs, strategy.STRATEGIES.index(strategy_name))
+        replayed from a captured graph makes it before the replay). Its error is agreed."""
+        try:
+            self._peers.check(args, kwargs, strategy.STRATEGIES.index(strategy_name))
+        except ValueError as exc:
+            raise agreed(exc)
 
     def run(self, strategy_name: str, args: tuple, kwargs: dict, host_metadata: HostMetadata | None = None, *,
             symbolic: bool | Callable[[tuple, dict], tuple[tuple, dict]] = False):
         """The compiled call of one strategy, once the DCP peers agree on the batch shapes, with
         `host_metadata` in the host slot. symbolic: True makes the batch dimension of every tensor
         argument symbolic (shapes.symbolic_batch), so that one graph serves many batch shapes; a
-        function `(args, kwargs) -> (args, kwargs)` marks the front end's own dynamic dimensions."""
+        function `(args, kwargs) -> (args, kwargs)` marks the front end's own dynamic dimensions.
+        A pass's refusal at compile time is agreed: the shapes it was decided from are."""
         compiled = self.variant(strategy_name, bool(symbolic))
         self.agree_on_shapes(strategy_name, args, kwargs)
         slot = self.state.host_slot
@@ -244,13 +304,9 @@ class CompiledStep:
             with shapes.distinct_sizes():
                 return compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as exc:
-            # The passes' own errors say what is wrong with the model or the batch: surface them as
-            # they are, not wrapped in dynamo's compiler-failure report.
-            if isinstance(exc.inner_exception, self._errors):
-                raise exc.inner_exception from None
-            raise
+            self._raise_refusal(exc)
         except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
-            raise RuntimeError(f"this model compiled {RECOMPILE_LIMIT} graphs, one per distinct batch shape "
-                               f"{self._too_many_shapes}") from exc
+            raise agreed(RuntimeError(f"this model compiled {RECOMPILE_LIMIT} graphs, one per distinct batch shape "
+                                      f"{self._too_many_shapes}")) from exc
         finally:
             slot.end()

@@ -28,6 +28,7 @@ Beam search, cropping and batch reordering are refused: the pool's rows do not m
 from __future__ import annotations
 
 import weakref
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -160,10 +161,12 @@ class DCPCache(Cache):
     model's (config.layer_types), for a hybrid model; each attention layer takes the next layer of
     `pool`, each linear-attention layer is transformers' own LinearAttentionLayer. Without it,
     transformers' layer i is the pool's layer i. placeholder: no locations of its own (a table of
-    zeros, location 0, which writes skip): the static cache a captured graph reads."""
+    zeros, location 0, which writes skip): the static cache a captured graph reads. group: the DCP
+    group's agreement (hf/agreement.GroupAgreement), under which the cache takes the same
+    locations on every rank (a collective: every rank makes the same caches in the same order)."""
 
     def __init__(self, pool: MLAKVPool, batch_size: int, max_length: int, layer_types: list[str] | None = None,
-                 placeholder: bool = False):
+                 placeholder: bool = False, group=None):
         kinds = list(layer_types) if layer_types else ["full_attention"] * pool.num_layers
         if sum(kind != LINEAR_ATTENTION for kind in kinds) != pool.num_layers:
             raise ValueError(f"layer types {kinds}: {pool.num_layers} attention layers in the pool")
@@ -185,7 +188,7 @@ class DCPCache(Cache):
         else:
             locations = allocator(pool)
             allocation, taken = locations.allocate(batch_size * row,
-                                                   f"a cache of {batch_size} row(s) of {max_length} positions")
+                                                   f"a cache of {batch_size} row(s) of {max_length} positions", group)
             # Given back when the cache is garbage collected (queued: a finalizer may run inside an allocation).
             self._finalizer = weakref.finalize(self, locations.release_later, allocation)
             self._release = lambda: locations.release(allocation)
@@ -206,6 +209,8 @@ class DCPCache(Cache):
         self.req_to_token, self.pad_tensor = req_to_token, pads
         self.host_table = host_table
         """req_to_token on the host, for back ends that plan each step there (host_metadata)."""
+        self.locations_code = zlib.crc32(host_table.numpy().tobytes()) if not placeholder else 0
+        """A checksum of the cache's KV locations, which the DCP peers compare at every step."""
         self._counter = next(layer for layer in layers if isinstance(layer, DCPCacheLayer)).cumulative_length
         self.hybrid = len(layers) > attention
         self.pads = [0] * batch_size

@@ -56,6 +56,7 @@ from dcp_compile.hf.regions import region_layers, wrap_layers
 from dcp_compile.strategy import REPLICATED_Q
 from dcp_compile.runtime import parallel
 from dcp_compile.lowering import registry
+from dcp_compile.runtime.failure import PeerFailedError, agreeing
 from dcp_compile.runtime.host_metadata import HostMetadata
 from dcp_compile.runtime.kv_pool import MLAKVPool, PoolSpec
 
@@ -213,11 +214,14 @@ class DCPTransformersModel(nn.Module):
         """A cache over this model's KV pool for `batch_size` rows of up to `max_length` positions
         (default: as many as the pool's free locations hold). Its locations are its own until it is
         released (cache.release()) or garbage collected; a cache that does not fit in the free
-        locations is a MemoryError."""
+        locations is a MemoryError. Under DCP it is a collective: every rank makes the same caches
+        in the same order, and each takes the same KV locations on every rank (hf/locations.py)."""
         pool = self.dcp_state.kv_pool
+        group = self._agreement if self.dcp_state.config.dcp_size > 1 else None
         if max_length is None and batch_size >= 1:
-            max_length = max(1, allocator(pool).free_locations() // batch_size)
-        return DCPCache(pool, batch_size, max_length, self._layer_types)
+            free = allocator(pool).free_locations()
+            max_length = max(1, (free if group is None else group.fewest_free(free)) // batch_size)
+        return DCPCache(pool, batch_size, max_length, self._layer_types, group=group)
 
     def forward(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -226,20 +230,59 @@ class DCPTransformersModel(nn.Module):
         """transformers' generate(), with a DCP cache sized for this call (batch *
         num_return_sequences rows of prompt + max_new_tokens, else max_length, positions) unless
         one is passed. Under DCP a sampling call draws every rank's tokens with the group's first
-        rank's random generator (hf/agreement.py)."""
+        rank's random generator, and the ranks agree on the tokens it returns (hf/agreement.py).
+        After a failed step it raises the latch's error before any collective of its own."""
+        self._compiled_step.check_latch(self._agreement.tell_failure)
         cache = kwargs.pop(self.cache_kwarg, None)
         if cache is None:
             cache = kwargs.pop("past_key_values", None)  # the deprecated name
         setting = self._generation_settings(kwargs)
         input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        refusal, length, sampling = None, 0, False
+        try:
+            length, sampling, fields = self._check_generate(input_ids, setting, kwargs)
+        except (ValueError, TypeError) as exc:
+            refusal, fields = exc, {}
+        with self._peer_failures():
+            self._agreement.check_generate(input_ids, length, fields, refusal)
+        samples = setting("num_return_sequences") or 1
+        if cache is None:
+            with self._peer_failures():
+                cache = self.new_cache(input_ids.shape[0] * samples, length)
+        # The unconditional pass of guidance: the negative prompt (else the prompt's last token)
+        # and every new token; at least this call's width, so that its steps reuse the decode graph.
+        unconditional = kwargs.get("negative_prompt_ids")
+        unconditional_length = (unconditional.shape[1] if unconditional is not None else 1) + length - input_ids.shape[1]
+        token = _CACHE_LENGTH_IN_GENERATE.set(max(length, unconditional_length))
+        try:
+            with self._peer_failures():
+                generators = self._agreement.shared_generators(self.model.device) if sampling else contextlib.nullcontext()
+            with generators:
+                out = type(self.model).generate(self.model, *args, **{self.cache_kwarg: cache}, **kwargs)
+        finally:
+            _CACHE_LENGTH_IN_GENERATE.reset(token)
+        with self._peer_failures():
+            self._agreement.check_result(out if isinstance(out, torch.Tensor) else out.sequences)
+        return out
+
+    @contextlib.contextmanager
+    def _peer_failures(self):
+        """Around generate()'s own agreements (outside any step): a peer's failure notice latches
+        this rank too."""
+        try:
+            yield
+        except PeerFailedError as exc:
+            self._compiled_step.latch.record(exc)
+            raise
+
+    def _check_generate(self, input_ids, setting, kwargs) -> tuple[int, bool, dict[str, int]]:
+        """A generate() call's own checks (no collective): (generated length, sampling, the
+        settings its peers compare), or a ValueError saying what it cannot serve."""
         if input_ids is None:
             raise ValueError("generate() on a DCP model needs input_ids (inputs_embeds alone cannot size the cache)")
         length = self._generated_length(input_ids, setting)
         beams, samples = setting("num_beams") or 1, setting("num_return_sequences") or 1
         sampling, use_cache = bool(setting("do_sample")), setting("use_cache") is not False
-        self._agreement.check_generate(input_ids, length, {
-            "num_return_sequences": samples, "num_beams": beams, "sampling": int(sampling),
-            "guidance": int(setting("guidance_scale") not in (None, 1)), "use_cache": int(use_cache)})
         if beams > 1:
             raise ValueError(f"num_beams={beams}: beam search reorders the cache's rows at every step, and a DCP "
                              "cache's rows are fixed KV locations sharded over the DCP ranks; use num_beams=1 (greedy "
@@ -254,19 +297,9 @@ class DCPTransformersModel(nn.Module):
         for name in _UNSERVED_OUTPUTS:
             if setting(name):
                 raise ValueError(_unserved_output(name))
-        if cache is None:
-            cache = self.new_cache(input_ids.shape[0] * samples, length)
-        # The unconditional pass of guidance: the negative prompt (else the prompt's last token)
-        # and every new token; at least this call's width, so that its steps reuse the decode graph.
-        unconditional = kwargs.get("negative_prompt_ids")
-        unconditional_length = (unconditional.shape[1] if unconditional is not None else 1) + length - input_ids.shape[1]
-        token = _CACHE_LENGTH_IN_GENERATE.set(max(length, unconditional_length))
-        generators = self._agreement.shared_generators(self.model.device) if sampling else contextlib.nullcontext()
-        try:
-            with generators:
-                return type(self.model).generate(self.model, *args, **{self.cache_kwarg: cache}, **kwargs)
-        finally:
-            _CACHE_LENGTH_IN_GENERATE.reset(token)
+        return length, sampling, {"num_return_sequences": samples, "num_beams": beams, "sampling": int(sampling),
+                                  "guidance": int(setting("guidance_scale") not in (None, 1)),
+                                  "use_cache": int(use_cache)}
 
     def _generation_settings(self, kwargs):
         """`setting(name)`: a generation setting of this call, from its kwargs, else its
@@ -293,31 +326,43 @@ class DCPTransformersModel(nn.Module):
 
     @torch.compiler.disable(reason="dcp_compile runs its own compile of the model; an outer compile cannot inline it")
     def _step(self, *args, **kwargs):
-        with self._compiled_step.guarded():
-            call = self._signature.bind_partial(*args, **kwargs).arguments
-            call.update(call.pop("kwargs", {}))
-            if self.cache_kwarg != "past_key_values" and "past_key_values" in call:
-                call[self.cache_kwarg] = call.pop("past_key_values")  # the deprecated name
-            input_ids = call.get("input_ids")
-            inputs = input_ids if input_ids is not None else call.get("inputs_embeds")
-            if inputs is None:
-                raise ValueError("a DCP step needs input_ids or inputs_embeds")
-            decoding = _decoding_in_generate(input_ids)
-            self._agreement.check_step(inputs, input_ids, call.get(self.cache_kwarg), call.get("attention_mask"),
-                                       deferred=decoding)
-            call = self._checked(call, decoding)
-            cache = call.get(self.cache_kwarg)
-            padded = cache is not None and any(cache.pads)
-            self._check_padding_is_served(padded)
+        # The failure rule (runtime/failure.py): the call's own checks run first and refuse nothing
+        # by themselves; the DCP peers' agreement raises any rank's refusal on every rank alike,
+        # so a refused input leaves the model serving. What runs after the agreement is the step.
+        with self._compiled_step.guarded(self._agreement.tell_failure) as progress:
+            inputs = input_ids = cache = mask = None
+            decoding, refusal = False, None
+            try:
+                call = self._signature.bind_partial(*args, **kwargs).arguments
+                call.update(call.pop("kwargs", {}))
+                if self.cache_kwarg != "past_key_values" and "past_key_values" in call:
+                    call[self.cache_kwarg] = call.pop("past_key_values")  # the deprecated name
+                input_ids = call.get("input_ids")
+                inputs = input_ids if input_ids is not None else call.get("inputs_embeds")
+                cache, mask = call.get(self.cache_kwarg), call.get("attention_mask")
+                if inputs is None:
+                    raise ValueError("a DCP step needs input_ids or inputs_embeds")
+                decoding = _decoding_in_generate(input_ids)
+                call, made = self._checked(call, decoding)
+            except Exception as exc:  # refused on every rank alike, by the agreement
+                refusal = exc
+            self._agreement.check_step(inputs, input_ids, cache, mask, deferred=decoding, refusal=refusal)
+            with agreeing():  # from agreed values alike on every rank; the cache's allocation agrees
+                call = self._prepared(call, made)
+                cache = call.get(self.cache_kwarg)
+                padded = cache is not None and any(cache.pads)
+                self._check_padding_is_served(padded)
             try:
                 out = self._run_step(call)
             except BaseException:
                 if cache is not None:
                     cache.resync()  # layers that ran may have advanced their counters
                 raise
+            progress.collectives_done = True
             if cache is not None:
-                cache.advance((input_ids if input_ids is not None else inputs).shape[1])
-            self._check_padding_is_served(padded)  # a layer this step's compile left as it is
+                cache.advance(inputs.shape[1])
+            with agreeing():  # a layer this step's compile left as it is: alike on every rank
+                self._check_padding_is_served(padded)
             return out
 
     def _run_step(self, call: dict):
@@ -390,8 +435,10 @@ class DCPTransformersModel(nn.Module):
         those of the steps before it by itself)."""
         self._compiled_step.check_errors()
 
-    def _checked(self, call: dict, decoding: bool) -> dict:
-        """The call as the compiled step takes it, or a ValueError saying what it cannot serve.
+    def _checked(self, call: dict, decoding: bool) -> tuple[dict, tuple | None]:
+        """The call's checks, with no side effect and no collective: (the call as the compiled step
+        takes it but for its cache's padding and positions, the cache to make for it as
+        (rows, max_length, padding), or None), else a ValueError saying what it cannot serve.
         decoding: one of generate()'s decode steps on a device (_decoding_in_generate)."""
         dcp_size = self.dcp_state.config.dcp_size
         input_ids = call.get("input_ids")
@@ -417,28 +464,28 @@ class DCPTransformersModel(nn.Module):
                                  "given; pass use_cache=True, or no cache")
             if dcp_size > 1:
                 raise ValueError("use_cache=False: under DCP every step writes the sharded KV cache")
-            return call
-        if cache is None:
-            length = _CACHE_LENGTH_IN_GENERATE.get()
-            cache = self.new_cache(batch, tokens if length is None else max(tokens, length))
-        if not isinstance(cache, DCPCache) or cache.pool is not self.dcp_state.kv_pool:
-            raise ValueError(f"{self.cache_kwarg}={type(cache).__name__}: a DCP model takes the cache of its own KV pool, "
-                             "model.new_cache(batch_size, max_length) (a transformers cache would hold every token on "
-                             "every rank)")
-        if cache.released:
-            raise ValueError("this cache was released (cache.release()): its KV locations may belong to another cache "
-                             "now; make a new one with model.new_cache(batch_size, max_length)")
-        if cache.rows != batch:
-            raise ValueError(f"the cache has {cache.rows} rows, this step {batch}: a cache serves one "
-                             "batch of fixed rows (generate() makes one of batch * num_return_sequences rows)")
-        length = cache.length()
-        if length + tokens > cache.max_length:
+            return call, None
+        if cache is not None:
+            if not isinstance(cache, DCPCache) or cache.pool is not self.dcp_state.kv_pool:
+                raise ValueError(f"{self.cache_kwarg}={type(cache).__name__}: a DCP model takes the cache of its own KV "
+                                 "pool, model.new_cache(batch_size, max_length) (a transformers cache would hold every "
+                                 "token on every rank)")
+            if cache.released:
+                raise ValueError("this cache was released (cache.release()): its KV locations may belong to another "
+                                 "cache now; make a new one with model.new_cache(batch_size, max_length)")
+            if cache.rows != batch:
+                raise ValueError(f"the cache has {cache.rows} rows, this step {batch}: a cache serves one "
+                                 "batch of fixed rows (generate() makes one of batch * num_return_sequences rows)")
+        length = cache.length() if cache is not None else 0
+        if cache is not None and length + tokens > cache.max_length:
             raise ValueError(f"this step's {tokens} token(s) after {length} cached ones exceed the cache's max_length "
                              f"{cache.max_length}")
+        pads = list(cache.pads) if cache is not None else [0] * batch
         mask = call.pop("attention_mask", None)  # popped, not None: the same arguments, the same graph
         if mask is not None and not (decoding and mask.device.type != "cpu" and length):
-            self._read_padding(mask, cache, batch, length, tokens)  # in generate()'s decode steps, its ones
-        if cache.hybrid and any(cache.pads) and tokens > 1:
+            pads = self._read_padding(mask, pads, batch, length, tokens)  # in generate()'s decode steps, its ones
+        hybrid = LINEAR_ATTENTION in (self._layer_types or ())
+        if hybrid and any(pads) and tokens > 1:
             # The linear-attention layers mask the padding's hidden states before their state takes
             # them in, from the attention mask: a hybrid's padded step keeps it (checked above to be
             # the cache's padding; the attention layers' masks may read it: PADDING_MASK_INPUT).
@@ -450,11 +497,28 @@ class DCPTransformersModel(nn.Module):
         positions = call.get("position_ids")
         if positions is not None and not decoding:
             columns = torch.arange(length, length + tokens).unsqueeze(0)
-            expected = columns - torch.tensor(cache.pads).unsqueeze(1)
+            expected = columns - torch.tensor(pads).unsqueeze(1)
             given = positions.cpu().expand(batch, -1) if positions.dim() == 2 else None
             if given is None or given.shape[-1] != tokens or not bool(((given == expected) | (expected < 0)).all()):
                 raise ValueError(f"position_ids {positions.tolist()}: a DCP step's tokens sit at the cache's positions, "
                                  f"{expected.clamp_min(0).tolist()} (row by row, after each row's left padding)")
+        if cache is None:
+            generating = _CACHE_LENGTH_IN_GENERATE.get()
+            return call, (batch, tokens if generating is None else max(tokens, generating), pads)
+        return call, (None, None, pads)
+
+    def _prepared(self, call: dict, made: tuple | None) -> dict:
+        """The checked call (_checked) made whole once the peers agreed on it: its cache (made
+        here where the call has none: a collective under DCP), the cache's padding at its first
+        step, and the positions."""
+        if made is None:
+            return call
+        rows, max_length, pads = made
+        cache = self.new_cache(rows, max_length) if rows is not None else call[self.cache_kwarg]
+        if cache.length() == 0 and any(pads):
+            cache.set_padding(pads)
+        inputs = call["input_ids"] if call.get("input_ids") is not None else call["inputs_embeds"]
+        length, tokens = cache.length(), inputs.shape[1]
         # Made on the device from the cache's padding: no host-to-device copy to wait for.
         columns = torch.arange(length, length + tokens, device=cache.pad_tensor.device).unsqueeze(0)
         call["position_ids"] = (columns - cache.pad_tensor.unsqueeze(1)).clamp_min(0).to(inputs.device)
@@ -462,22 +526,21 @@ class DCPTransformersModel(nn.Module):
         return call
 
     @staticmethod
-    def _read_padding(mask: torch.Tensor, cache: DCPCache, batch: int, length: int, tokens: int) -> None:
+    def _read_padding(mask: torch.Tensor, pads: list[int], batch: int, length: int, tokens: int) -> list[int]:
         """Left padding from the attention mask: each row's zeros, then its ones. The first step of
-        a cache sets each row's padding; a later step's mask must show the same."""
+        a cache sets each row's padding (returned); a later step's mask must show the same."""
         if mask.dim() != 2 or tuple(mask.shape) != (batch, length + tokens):
             raise ValueError(f"attention_mask of shape {tuple(mask.shape)}: a DCP step takes a [{batch}, "
                              f"{length + tokens}] mask (rows x the cache's columns and this step's tokens), or none")
         kept = mask.bool().cpu()
-        pads = (~kept).sum(1) if length == 0 else torch.tensor(cache.pads)
-        left_padded = torch.arange(length + tokens).unsqueeze(0) >= pads.unsqueeze(1)
-        if not torch.equal(kept, left_padded) or bool((pads >= length + tokens).any()):
+        padding = (~kept).sum(1) if length == 0 else torch.tensor(pads)
+        left_padded = torch.arange(length + tokens).unsqueeze(0) >= padding.unsqueeze(1)
+        if not torch.equal(kept, left_padded) or bool((padding >= length + tokens).any()):
             raise ValueError(f"attention_mask {mask.int().tolist()}: a DCP step serves left padding only (each row's "
                              "padding before its tokens, the same from a cache's first step on, and at least one token "
                              "a row), as generate() pads a batch of prompts for a decoder-only model (tokenizer "
                              "padding_side='left')")
-        if length == 0 and bool(pads.any()):
-            cache.set_padding(pads.tolist())
+        return padding.tolist()
 
     def _check_token_ids(self, input_ids: torch.Tensor) -> None:
         vocab_size = self.model.config.get_text_config(decoder=True).vocab_size

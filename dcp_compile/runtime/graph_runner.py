@@ -34,6 +34,7 @@ import torch
 
 from dcp_compile.runtime.batch import ForwardBatch
 from dcp_compile.runtime.devices import require_torch_npu
+from dcp_compile.runtime.failure import FailureLatch
 from dcp_compile.runtime.host_inputs import HostFeed, HostSlot, PinnedStaging
 from dcp_compile.runtime.host_metadata import HostMetadata
 
@@ -196,12 +197,17 @@ class GraphRunner:
     graphs' inputs from it before every replay.
     watched: tensors the graphs read that the runner does not own (the KV caches); in debug mode
     their addresses, and the runner's own buffers', are checked before every replay.
+    latch: the model's failure latch (runtime/failure.py), by default the step's (`step.latch`, as
+    `DCPModel.compiled` gives it): after a failed step or replay every later call raises, so that
+    a rank whose replay failed on the host never replays its collectives against its peers'
+    earlier step's.
     """
 
     def __init__(self, step, buckets=DEFAULT_BUCKETS, debug: bool = False, watched=(), graphs=None,
-                 host_slot: HostSlot | None = None):
+                 host_slot: HostSlot | None = None, latch: FailureLatch | None = None):
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
+        self.latch = latch if latch is not None else getattr(step, "latch", None)
         self.graphs = graphs if graphs is not None else CudaGraphs()
         self.step, self.buckets, self.debug = step, tuple(sorted(buckets)), debug
         self.watched = list(watched)
@@ -309,6 +315,18 @@ class GraphRunner:
         return seconds
 
     def __call__(self, batch: ForwardBatch, tokens_per_row: int = 1) -> torch.Tensor:
+        """The step's logits, replayed from the graph of its bucket (captured at its first step).
+        Any error latches the model: a peer may have replayed its collectives already."""
+        if self.latch is None:
+            return self._step(batch, tokens_per_row)
+        self.latch.check()
+        try:
+            return self._step(batch, tokens_per_row)
+        except BaseException as exc:
+            self.latch.record(exc)
+            raise
+
+    def _step(self, batch: ForwardBatch, tokens_per_row: int) -> torch.Tensor:
         bucket = self.bucket_for(batch.rows)
         if bucket is None:
             if not self._warned:
