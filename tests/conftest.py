@@ -67,6 +67,7 @@ BY_PREFIX = {
         "tests/hf/test_compiled_step.py::test_a_tripped_batch_guard_fails_every_rank_and_latches_on_cpu",
         "tests/hf/test_compiled_step.py::test_a_tripped_batch_guard_is_flagged_raised_at_the_next_step_and_latches_on_the_npu",
         "tests/hf/test_transformers_distributed.py", "tests/hf/test_decode_graphs.py", "tests/hf/test_failure_rule.py",
+        "tests/npu/test_failure_rule.py",
         "tests/lowering/test_outside_lowering.py::test_a_back_end_registered_outside_the_package_runs_dcp_equal_to_dcp_size_one",
         "tests/lowering/test_outside_lowering.py::test_demo_and_dump_take_its_flag",
         "tests/npu/test_empty_shards.py::test_dcp_two_with_garbage_on_empty_shards_matches_dcp_size_one",
