@@ -89,21 +89,21 @@ def group_steps(rank: int, world: int) -> dict:
     results["generator_after_sampling"] = bool(torch.equal(torch.get_rng_state(),
                                                            state_after_reference if rank == 0 else own_state))
 
-    # Steps and generate() calls the ranks disagree on, refused on every rank before anything runs.
-    # A refused step stops its model (it may have peers inside the step), so each gets a model of
-    # its own: other token ids, other prompt lengths, one rank in generate() and its peer in a step.
+    # Steps and generate() calls the ranks disagree on, refused on every rank before anything runs,
+    # all on the one model: a refusal leaves it serving (after_refused_calls, below): other token
+    # ids, other prompt lengths, one rank in generate() and its peer in a step.
     def disagreeing_step(input_ids):
-        other = dcp_compile.apply(copy.deepcopy(reference), dcp_size=world)
         with torch.no_grad():
-            return _outcome(lambda: other(input_ids, **{other.cache_kwarg: other.new_cache(1, WIDTH)}))
+            return _outcome(lambda: model(input_ids, **{model.cache_kwarg: model.new_cache(1, WIDTH)}))
 
     results["tokens_differ"] = disagreeing_step(torch.tensor([[3 + rank]]))
     results["step_lengths_differ"] = disagreeing_step(first[:, :5 - rank])
-    mixed = dcp_compile.apply(copy.deepcopy(reference), dcp_size=world)
     with torch.no_grad():
+        cache = model.new_cache(1, WIDTH)  # on every rank: making a cache is a collective under DCP
         results["generate_and_step"] = _outcome(
-            lambda: mixed.generate(first, max_new_tokens=NEW_TOKENS) if rank == 0
-            else mixed(first, **{mixed.cache_kwarg: mixed.new_cache(1, WIDTH)}))
+            lambda: model.generate(first, max_new_tokens=NEW_TOKENS) if rank == 0
+            else model(first, **{model.cache_kwarg: cache}))
+        del cache
         # A refused generate() call runs no step: the model serves the next one.
         results["prompt_lengths_differ"] = _outcome(lambda: model.generate(first[:, :5 - rank],
                                                                            max_new_tokens=NEW_TOKENS + rank))

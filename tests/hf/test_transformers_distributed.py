@@ -190,8 +190,8 @@ def test_interleaved_conversations_keep_their_own_kv(group):
         kind, message = result["too_large"]
         assert kind == "MemoryError"
         assert f"1 row(s) of {LARGE} positions needs {LARGE} KV locations" in message
-        assert (f"the pool has {POOL_LOCATIONS} (location 0 is reserved), {POOL_LOCATIONS - 2 * WIDTH} of them free: "
-                "2 live cache(s) hold the rest") in message
+        assert (f"the pool has {POOL_LOCATIONS} (location 0 is reserved), {POOL_LOCATIONS - 2 * WIDTH} of them free "
+                "on every DCP rank: 2 live cache(s) hold the rest") in message
         assert result["fits_after"] == ("ok", "")
 
 
