@@ -19,8 +19,6 @@ ERRORS = (
     ("row_id", ValueError, "a query's row id (q_seq_ids) outside [0, rows) (attention used the nearest row)"),
     ("padded_row_write", ValueError, "a row of seq_len 0 (a padded row) whose token writes KV: a real row taken "
                                      "for padding (its attention saw no key)"),
-    ("token_order", ValueError, "query tokens not grouped by row in row order, as the folded attention kernel needs "
-                                "them (some of its rows read another row's keys)"),
     ("peer_step", ValueError, "the DCP ranks ran different decode steps (their shapes, cache position, token ids or "
                               "padding differ; every rank of a DCP group must run the same step with the same batch)"),
 )

@@ -111,20 +111,42 @@ def test_the_folded_kernel_gives_the_reference_logits_through_the_model(monkeypa
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
 
 
-def test_a_batch_not_grouped_by_row_is_refused_not_served():
-    """The folded kernel needs a row's tokens together and rows in order (RequestTable's batches);
-    a hand-built batch that interleaves its rows' tokens raises instead of giving wrong logits."""
+def _shuffled_verify_logits(kernels):
+    """The logits of a verify step (k = 5 on four rows and a padded row) of a 16-head model, its
+    tokens in a random order: the model contract asks for no grouping of a row's tokens, and
+    `RequestTable` is one scheduler among others. Returns the logits and the token count of
+    each folded-attention launch."""
+    import dataclasses
+
+    from dcp_compile.lowering.triton import folded_attention
     from dcp_compile.runtime.batch import ForwardBatch
 
-    model = dcp_compile.apply(MLAModel(preset("tiny"), kv_capacity=160, max_requests=4, seed=7), 1,
-                              config=DCPConfig(kernels="triton"))
-    table = RequestTable(4, 40, 160)
-    model(*table.extend_batch([0, 1, 2], [list(range(1, 30)), [9], [4, 2, 7]]).args())
-    batch = table.extend_batch([0, 1, 2], [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [5, 8, 9, 7, 9]], pad_rows=1)
-    tokens = batch.input_ids.shape[0]
-    order = torch.cat([torch.arange(15).view(3, 5).t().reshape(-1), torch.arange(15, tokens)])  # r0 t0, r1 t0, ...
-    interleaved = ForwardBatch(batch.input_ids[order], batch.positions[order], batch.q_seq_ids[order],
-                               batch.out_loc[order], batch.req_to_token, batch.seq_lens, batch.state_slots,
-                               torch.argsort(order)[batch.logits_index])
-    with pytest.raises(ValueError, match="not grouped by row in row order"):
-        model(*interleaved.args())
+    config = dataclasses.replace(preset("tiny"), num_heads=16)
+    model = dcp_compile.apply(MLAModel(config, kv_capacity=200, max_requests=5, seed=7), 1,
+                              config=DCPConfig(kernels=kernels))
+    table = RequestTable(5, 40, 200)
+    model(*table.extend_batch([0, 1, 2, 3], [list(range(1, 30)), [9], [4, 2, 7], [8, 8]]).args())
+    batch = table.extend_batch([0, 1, 2, 3], [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [5, 8, 9, 7, 9], [2, 7, 1, 8, 2]],
+                               pad_rows=1)
+    order = torch.randperm(batch.input_ids.shape[0], generator=torch.Generator().manual_seed(0))
+    shuffled = ForwardBatch(batch.input_ids[order], batch.positions[order], batch.q_seq_ids[order],
+                            batch.out_loc[order], batch.req_to_token, batch.seq_lens, batch.state_slots,
+                            torch.argsort(order)[batch.logits_index])
+    assert not torch.equal(shuffled.q_seq_ids, batch.q_seq_ids.sort().values)  # not grouped by row
+    launches = []
+    launch = folded_attention.folded_partial_attention_into
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(folded_attention, "folded_partial_attention_into",
+                      lambda *args, **kwargs: launches.append(args[0].shape[0]) or launch(*args, **kwargs))
+        logits = model(*shuffled.args())
+    return logits, launches
+
+
+def test_a_batch_not_grouped_by_row_is_served_with_the_torch_back_ends_logits():
+    """verify_attention='auto' folds verify; the folded kernel serves a batch whose rows' tokens
+    are interleaved and out of row order, with the logits the torch back end gives it."""
+    from dcp_compile.lowering.triton import folded_attention
+
+    (got, launches), (want, _) = (_shuffled_verify_logits(kernels) for kernels in ("triton", "torch"))
+    assert launches == [21] * 3 and folded_attention.folds(21, 5, 16)  # every MLA layer folded
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

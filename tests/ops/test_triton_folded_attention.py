@@ -35,9 +35,9 @@ BF16 = dict(atol=2e-2, rtol=2e-2)
 
 def _inputs(lengths, queries, dcp_size, interleave, rank, heads=5, rank_dim=32, rope_dim=16, dtype=torch.float32,
             seed=0):
-    """Rank `rank`'s partial-attention inputs, queries grouped by request in request order (the
-    kernel's precondition), q slices of one gathered tensor (not contiguous, as the Q all-gather
-    leaves them)."""
+    """Rank `rank`'s partial-attention inputs, queries grouped by request in request order
+    (RequestTable's batches; `_permuted` reorders them), q slices of one gathered tensor (not
+    contiguous, as the Q all-gather leaves them)."""
     per_request = [min(queries, max(n, 1)) for n in lengths]
     inputs = random_batch(lengths, per_request, heads=heads, rank_dim=rank_dim, rope_dim=rope_dim, seed=seed, dtype=dtype)
     shard = shard_inputs(inputs, dcp_size, interleave, rank)
@@ -134,34 +134,39 @@ def test_folded_attention_without_queries():
     assert out.shape == (0, 2, 32) and lse.shape == (0, 2)
 
 
-@pytest.mark.parametrize("order", ["swapped", "interleaved", "reversed"])
-def test_tokens_not_grouped_by_row_set_the_token_order_flag(order):
-    """The kernel's precondition, checked on the device: a batch whose tokens are not grouped by
-    row in row order sets runtime.guards' token_order flag; a grouped one leaves it clear."""
-    from dcp_compile.runtime import guards
-
-    args = list(_inputs(LENGTHS, 4, 1, 1, 0, seed=6))
-    flag = folded_attention.token_order_flag(torch.device("cpu"))
-    flag.zero_()
-    _run(args)
-    assert int(flag) == 0
+def _permuted(args, order, seed=0):
+    """The inputs with their tokens (q, row ids, positions) in another order."""
     tokens = args[0].shape[0]
     permutation = {"swapped": torch.cat([torch.arange(4, tokens), torch.arange(4)]),
-                   "interleaved": torch.arange(tokens).view(-1, 2).t().reshape(-1) if tokens % 2 == 0
-                   else torch.cat([torch.arange(tokens - 1).view(-1, 2).t().reshape(-1), torch.tensor([tokens - 1])]),
-                   "reversed": torch.arange(tokens - 1, -1, -1)}[order]
-    for i in (0, 1, 6, 7):
-        args[i] = args[i][permutation]
-    _run(args)
-    assert int(flag) == 1
-    flag.zero_()
-    with pytest.raises(ValueError, match="not grouped by row"):
-        guards.raise_for([int(i == guards.INDEX["token_order"]) for i in range(len(guards.ERRORS))])
+                   "interleaved": torch.cat([torch.arange(0, tokens, 2), torch.arange(1, tokens, 2)]),
+                   "reversed": torch.arange(tokens - 1, -1, -1),
+                   "shuffled": torch.randperm(tokens, generator=torch.Generator().manual_seed(seed))}[order]
+    return [a[permutation] if i in (0, 1, 6, 7) else a for i, a in enumerate(args)]
 
 
-def test_query_starts_of_grouped_ids():
+@pytest.mark.parametrize("order", ["swapped", "interleaved", "reversed", "shuffled"])
+@pytest.mark.parametrize("dcp_size,rank", [(1, 0), (2, 1)])
+def test_tokens_in_any_order_match_the_reference(order, dcp_size, rank):
+    """The model contract does not group a row's tokens: verify's k = 5 at 16 heads (two tiles a
+    request), the tokens of padded rows, empty shards and long requests in any order, folded."""
+    args = _permuted(_inputs(LENGTHS, 5, dcp_size, 1, rank, heads=16, seed=6 + rank), order, seed=dcp_size)
+    assert not torch.equal(args[6], args[6].sort().values)
+    _assert_close(_run(args), reference.partial_attention(*args, SCALE), FP32)
+
+
+def test_tokens_out_of_order_over_loops_and_splits_match_the_reference():
+    """Shuffled tokens with a request's rows over more tiles than its work item takes, in 3 splits."""
+    args = _permuted(_inputs(LENGTHS, 16, 2, 1, 0, seed=8), "shuffled", seed=3)
+    expected = reference.partial_attention(*args, SCALE)
+    _assert_close(_run(args, AttentionTiling(num_splits=3, block_h=16, block_n=16), 2), expected, FP32)
+
+
+def test_request_order_of_grouped_and_shuffled_ids():
     ids = torch.tensor([0, 0, 0, 2, 2, 3], dtype=torch.int32)
-    assert folded_attention.query_starts(ids, 5).tolist() == [0, 3, 3, 5, 6, 6]
+    token_order, starts = folded_attention.request_order(ids, 5)
+    assert token_order.tolist() == list(range(6)) and starts.tolist() == [0, 3, 3, 5, 6, 6]
+    token_order, starts = folded_attention.request_order(torch.tensor([3, 0, 2, 0, 2, 0], dtype=torch.int32), 5)
+    assert token_order.tolist() == [1, 3, 5, 2, 4, 0] and starts.tolist() == [0, 3, 3, 5, 6, 6]
 
 
 def test_the_launcher_folds_only_where_it_measured_faster(monkeypatch):

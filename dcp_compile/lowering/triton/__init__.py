@@ -8,8 +8,8 @@ Each launcher has the signature and return values of the matching function in
         -> (local_req_to_token, local_seq_lens, local_positions)
     partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions,
                       q_seq_ids, q_positions, sm_scale) -> (out, lse)
-    folded_partial_attention(...) -> (out, lse)   partial_attention's, for queries grouped by
-                      request in request order (verify's k queries x heads in one tile)
+    folded_partial_attention(...) -> (out, lse)   partial_attention's, with a request's queries
+                      (in any order) folded into one tile (verify's k queries x heads)
     pack_partials(out, lse, dcp_size) -> packed
     merge_partials(packed, kv_lora_rank) -> merged
     window_attention(out_prefix, lse_prefix, q_latent, q_rope, kv_cache, page_table, seq_lens,

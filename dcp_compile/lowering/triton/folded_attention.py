@@ -1,10 +1,7 @@
 """MLA partial attention with the queries of a request folded into the rows of one tile.
 
-Same contract as `attention.partial_attention` (and `reference.partial_attention`), with one
-more precondition: the query tokens are grouped by request, in request order (the batches of
-RequestTable: decode, verify and extend steps over the pool). A batch that breaks it sets the
-device's `token_order` error flag (runtime/guards.py), which the compiled model raises at its
-next step (at once on the CPU), as it does for the batch guard's errors. Verify's k draft tokens of a
+Same contract as `attention.partial_attention` (and `reference.partial_attention`): the query
+tokens may come in any order (the model contract asks for none). Verify's k draft tokens of a
 request read the same keys, so a program takes BLOCK_M rows of (query, head) pairs of one
 request, k x heads rows in all, and each KV block it loads serves every one of them: FlashMLA's
 layout (the draft tokens folded into the head dimension). The per-query kernel in attention.py
@@ -16,8 +13,13 @@ a DCP rank, whose keys carry global positions, is served as attention.py serves 
 splits and their merge are attention.py's: the same split of a request's keys, the same
 workspace and the same merge kernel, so the two kernels agree split by split.
 
-The request of each token range comes from q_seq_ids on the device (searchsorted over the
-grouped ids), so choosing the launch reads nothing back and a captured graph stays valid.
+A request's tokens are found on the device, reading nothing back (a captured graph stays
+valid): a stable sort of q_seq_ids puts the tokens in request order, a searchsorted over the
+sorted ids gives each request's range of them, and the kernel reads q and writes its partials
+through that order, with no gather or scatter pass. The sort is of T ids a layer; for a batch
+already grouped by request (RequestTable's) it is the identity, and the tiles are the same. Row
+ids lie in [0, rows), as the batch guard leaves them (passes/guard_batch.py) for attention.py's
+kernel too.
 
 The launcher folds where it measured faster than attention.py's kernel (`folds`), and runs that
 one elsewhere. On an H100 (bench/results/gpu_h100_2026-12-06d, Kimi-K2 latent sizes, 32k and
@@ -37,7 +39,6 @@ import triton
 import triton.language as tl
 
 from dcp_compile.lowering.triton import attention
-from dcp_compile.runtime import guards
 from dcp_compile.lowering.triton.attention import _LN2, _check_inputs, _keys_per_split
 from dcp_compile.lowering.triton.attention_tiling import AttentionTiling, choose_num_splits, parallel_units
 from dcp_compile.lowering.triton.launching import (
@@ -60,27 +61,11 @@ MIN_FOLDED_TILES = {16: 4, 32: 16}
 above 32 heads it never does (module docstring)."""
 
 
-@triton.jit
-def _check_token_order(q_seq_ids_ptr, stride_q_seq_ids, error_ptr, request, rows, tokens, first_token, queries,
-                       first_tile, tiles, BLOCK_M: tl.constexpr):
-    """Flag (error_ptr) a batch whose tokens are not grouped by row in row order: the ranges
-    searchsorted found must tile [0, tokens) in order, and each token in a row's range carry its id."""
-    bad = (queries < 0) | ((request == 0) & (first_token != 0)) | ((request == rows - 1) & (first_token + queries != tokens))
-    offsets = tl.arange(0, BLOCK_M)
-    for first in range(first_tile * BLOCK_M, queries, tiles * BLOCK_M):
-        index = first + offsets
-        valid = index < queries
-        ids = tl.load(q_seq_ids_ptr + (first_token + index) * stride_q_seq_ids, mask=valid, other=0)
-        bad = bad | (tl.max(((ids != request) & valid).to(tl.int32), 0) > 0)
-    if bad:
-        tl.store(error_ptr, 1)
-
-
-@triton.jit(do_not_specialize=["rows", "tokens", "heads", "width", "num_splits", "tiles"])
+@triton.jit(do_not_specialize=["rows", "heads", "width", "num_splits", "tiles"])
 def _attend_folded_kernel(
     q_latent_ptr, q_rope_ptr, latent_cache_ptr, rope_cache_ptr, page_table_ptr, seq_lens_ptr, key_positions_ptr,
-    query_starts_ptr, q_seq_ids_ptr, q_positions_ptr, split_out_ptr, split_lse_ptr, error_ptr,
-    rows, tokens, heads, width, num_splits, tiles, scale_log2,
+    query_starts_ptr, token_order_ptr, q_positions_ptr, split_out_ptr, split_lse_ptr,
+    rows, heads, width, num_splits, tiles, scale_log2,
     stride_q_latent_token, stride_q_latent_head, stride_q_latent_col,
     stride_q_rope_token, stride_q_rope_head, stride_q_rope_col,
     stride_latent_cache_row, stride_latent_cache_col,
@@ -88,7 +73,7 @@ def _attend_folded_kernel(
     stride_table_req, stride_table_col,
     stride_seq_lens,
     stride_key_positions_req, stride_key_positions_col,
-    stride_q_seq_ids, stride_q_positions,
+    stride_q_positions,
     stride_split_out_token, stride_split_out_split, stride_split_out_head,
     stride_split_lse_token, stride_split_lse_split,
     RANK_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
@@ -109,9 +94,6 @@ def _attend_folded_kernel(
         split = tl.cast(work // (tiles * rows), tl.int64)
         first_token = tl.load(query_starts_ptr + request).to(tl.int64)
         queries = tl.load(query_starts_ptr + request + 1).to(tl.int64) - first_token
-        if split == 0:  # once a (request, tile), whether or not the request has keys
-            _check_token_order(q_seq_ids_ptr, stride_q_seq_ids, error_ptr, request, rows, tokens, first_token, queries,
-                               first_tile, tiles, BLOCK_M)
         seq_len = tl.load(seq_lens_ptr + request * stride_seq_lens).to(tl.int32)
         length, keys_per_split = _keys_per_split(seq_len, width, num_splits, BLOCK_N)
         start = split * keys_per_split
@@ -122,7 +104,8 @@ def _attend_folded_kernel(
             for tile in range(first_tile, tl.cdiv(queries * heads, BLOCK_M), tiles):
                 pair = tile * BLOCK_M + tile_rows
                 row_mask = pair < queries * heads
-                token = first_token + pair // heads
+                # The request's queries in request order: the batch's tokens come in any order.
+                token = tl.load(token_order_ptr + first_token + pair // heads, mask=row_mask, other=0).to(tl.int64)
                 head = pair % heads
                 q_latent = tl.load(
                     q_latent_ptr + token[:, None] * stride_q_latent_token + head[:, None] * stride_q_latent_head
@@ -199,17 +182,14 @@ def _mean_queries(tokens: int, rows: int) -> int:
     return -(-tokens // max(rows, 1))
 
 
-def token_order_flag(device: torch.device) -> torch.Tensor:
-    """This device's `token_order` flag (a view of runtime.guards.error_flags), int32 [1]."""
-    index = guards.INDEX["token_order"]
-    return guards.error_flags(device)[index : index + 1]
-
-
-def query_starts(q_seq_ids: torch.Tensor, rows: int) -> torch.Tensor:
-    """[rows + 1] int32: request b's queries are tokens query_starts[b] .. query_starts[b + 1] - 1
-    (q_seq_ids grouped by request, in request order). On the device, no read back."""
-    requests = torch.arange(rows + 1, dtype=q_seq_ids.dtype, device=q_seq_ids.device)
-    return torch.searchsorted(q_seq_ids, requests, out_int32=True)
+def request_order(q_seq_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_order [T] int64, query_starts [rows + 1] int32): request b's queries are tokens
+    token_order[query_starts[b]] .. token_order[query_starts[b + 1] - 1], for q_seq_ids in any
+    order (a stable sort: the identity where they are grouped by request, in request order). On
+    the device, no read back."""
+    sorted_ids, token_order = torch.sort(q_seq_ids, stable=True)
+    requests = torch.arange(rows + 1, dtype=sorted_ids.dtype, device=sorted_ids.device)
+    return token_order, torch.searchsorted(sorted_ids, requests, out_int32=True)
 
 
 def folds(tokens: int, rows: int, heads: int) -> bool:
@@ -246,15 +226,15 @@ def folded_partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_le
     chosen, chosen_tiles = choose_folded_tiling(tokens, rows, heads, width, q_latent.device, kv_cache.dtype)
     tiling, tiles = tiling or chosen, tiles or chosen_tiles
     split_out, split_lse = attention.checked_workspace(workspace, tiling, q_latent)
-    starts = query_starts(q_seq_ids, rows)
     # As in attention.py: the cache's dtype in the dots on a device, IEEE fp32 under the interpreter.
     dot_in_fp32 = kv_cache.dtype == torch.float32 or is_interpreted(_attend_folded_kernel)
     latent_addressing, rope_addressing = row_addressing(latent_cache), row_addressing(rope_part)
     if rows > 0:
+        token_order, starts = request_order(q_seq_ids, rows)
         _attend_folded_kernel[grid_for(rows * tiles * tiling.num_splits)](
-            q_latent, q_rope, latent_cache, rope_part, page_table, seq_lens, key_positions, starts, q_seq_ids,
-            q_positions, split_out, split_lse, token_order_flag(q_latent.device),
-            rows, tokens, heads, width, tiling.num_splits, tiles, sm_scale / _LN2,
+            q_latent, q_rope, latent_cache, rope_part, page_table, seq_lens, key_positions, starts, token_order,
+            q_positions, split_out, split_lse,
+            rows, heads, width, tiling.num_splits, tiles, sm_scale / _LN2,
             q_latent.stride(0), q_latent.stride(1), q_latent.stride(2),
             q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
             *latent_addressing[:2],
@@ -262,7 +242,7 @@ def folded_partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_le
             page_table.stride(0), page_table.stride(1),
             seq_lens.stride(0),
             key_positions.stride(0), key_positions.stride(1),
-            q_seq_ids.stride(0), q_positions.stride(0),
+            q_positions.stride(0),
             split_out.stride(0), split_out.stride(1), split_out.stride(2),
             split_lse.stride(0), split_lse.stride(1),
             RANK_DIM=rank_dim, ROPE_DIM=rope_dim,
@@ -276,10 +256,9 @@ def folded_partial_attention_into(q_latent, q_rope, kv_cache, page_table, seq_le
 
 def folded_partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_positions, q_seq_ids, q_positions,
                              sm_scale: float, rope_cache=None):
-    """`attention.partial_attention` for queries grouped by request, in request order, with the
-    queries of a request folded into the rows of one tile (module docstring). Returns out
-    [T, H, R] in q's dtype and lse [T, H] fp32 (natural log); a query that sees no key gets out =
-    0 and lse = -inf."""
+    """`attention.partial_attention` with the queries of a request folded into the rows of one tile
+    (module docstring), the tokens in any order. Returns out [T, H, R] in q's dtype and lse [T, H]
+    fp32 (natural log); a query that sees no key gets out = 0 and lse = -inf."""
     check_float("q_latent", q_latent)
     tokens, heads, rank_dim = q_latent.shape
     out = torch.empty((tokens, heads, rank_dim), dtype=q_latent.dtype, device=q_latent.device)

@@ -4,9 +4,8 @@
     after:  dcp_triton.mla_partial_attention(...); dcp_triton.sharded_kv_write(...);
             dcp_triton.mla_partial_attention(..., key_positions=arange(L).expand(B, L), ...)[0]
     with fold_verify, an attention over the pool in a gather-q or replicated-q graph takes
-    dcp_triton.mla_folded_partial_attention instead (same arguments; its queries are grouped by
-    request there, as RequestTable builds every batch, and its kernel flags a batch that is not),
-    whose launcher folds verify's shapes and runs the per-query kernel for the others.
+    dcp_triton.mla_folded_partial_attention instead (same arguments and contract: the tokens in
+    any order), whose launcher folds verify's shapes and runs the per-query kernel for the others.
 
 Assumes: the DCP rewrites ran (or were switched off); what is left of the canonical ops has the
 unsharded meaning, which the Triton kernels serve with dcp_size 1.
@@ -50,7 +49,7 @@ class LowerKernels(GraphPass):
 
     def _attention_op(self, config: PassConfig):
         """The partial-attention op of an attention over the pool: the folded kernel's where it
-        folds verify and the graph's batches are RequestTable's (its launcher takes decode to the
+        folds verify and the graph reads the pool in place (its launcher takes decode to the
         per-query kernel by the step's shapes: a graph symbolic in the batch guards on no T == B)."""
         if self.fold_verify and config.attention_strategy in POOL_STRATEGIES:
             return triton_op("mla_folded_partial_attention")

@@ -30,8 +30,8 @@ class TritonOptions(Options):
         "help": "verify and extend attention over the KV pool: the folded Triton kernel, the back end's "
                 "default kernel, or auto"})
     """Attention over the KV pool in the graphs that read the pool in place (gather-q,
-    replicated-q), whose queries are grouped by request: 'folded', through the folded Triton
-    kernel's launcher (lowering/triton/folded_attention.py), which folds a request's queries x
+    replicated-q): 'folded', through the folded Triton kernel's launcher
+    (lowering/triton/folded_attention.py), which folds a request's queries (in any order) x
     heads into the rows of one tile (each KV block read once for all of them) at verify's shapes
     where that measured faster, and runs Triton's per-query kernel at the others (decode
     included); 'default', the back end's own kernel (Triton's per-query split-KV kernel;
