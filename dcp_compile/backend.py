@@ -19,6 +19,7 @@ from dcp_compile.passes.cache_use import PER_CALL_INPUTS, bind_pool, bind_region
 from dcp_compile.passes.fuse_projections import bind_weights, finish_fusion
 from dcp_compile.passes.graph_utils import fake_mode_of, fake_value
 from dcp_compile.passes.sites import count_cache_views, count_mla_sites
+from dcp_compile.runtime.failure import agreeing
 from dcp_compile.runtime.host_inputs import BATCH_INPUT, HostSlot
 from dcp_compile.runtime.parallel import ParallelState
 
@@ -56,9 +57,11 @@ def _inner_compiler(config: DCPConfig, lowering: Lowering):
 
 
 class DCPBackend:
-    """A torch.compile backend for one attention strategy. Keeps one PassReport per captured
+    """A torch.compile backend for one attention strategy. Keeps one PassReport per lowered
     graph in `reports`. A lowered graph's host-fed inputs (runtime.host_inputs) are fed from
-    `host_slot` on every call, whatever the inner compiler."""
+    `host_slot` on every call, whatever the inner compiler. A back end that lowers a graph per
+    step's host metadata (Lowering.step_options) gets one lowering of the captured graph per
+    answer, picked at each call from the host slot."""
 
     def __init__(self, config: DCPConfig, parallel: ParallelState, lowering: Lowering, strategy: str = "gather-q",
                  page_size: int = 1, host_slot: HostSlot | None = None, pool=None, front_end_passes=()):
@@ -76,6 +79,8 @@ class DCPBackend:
             observers.append(TextDump(Path(dump_dir)))
         self.manager = PassManager(pass_config(config, parallel, strategy, page_size), config.disabled_passes,
                                    passes=default_passes(lowering.passes(), self.front_end), observers=observers)
+        self._pipelines = {lowering.options: self.manager.passes}
+        """The pipeline per options of the back end (Lowering.step_options), made when first needed."""
         self.reports: list[PassReport] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -94,20 +99,52 @@ class DCPBackend:
                 raise ValueError(
                     f"the captured graph has {outside} MLA site(s) outside its compile regions and {inside} inside: "
                     "put every MLA layer in a region (torch.compiler.nested_compile_region) or none")
-            return self._compile_regions(gm, example_inputs)
+        options = self.lowering.step_options(self.host_slot.current)
+        if options is None:
+            return self._lower(gm, example_inputs, self.lowering, bool(inside))
+        return self._lowered_per_step(gm, example_inputs, options, bool(inside))
+
+    def _lowered_per_step(self, gm: fx.GraphModule, example_inputs, options, in_regions: bool):
+        """gm lowered once per options the steps' host metadata ask for (Lowering.step_options):
+        this step's now, another's when a step first asks for it (with that step's inputs as the
+        examples); each call runs the lowering its host metadata picks, decided on the host."""
+        lowering, slot = self.lowering, self.host_slot
+        lowered = {options: self._lower(gm, example_inputs, lowering.configured(options), in_regions)}
+
+        def run(*args):
+            options = lowering.step_options(slot.current)
+            if options not in lowered:
+                # As at dynamo's compile: decided before the step's first collective, from the shapes
+                # and host metadata every rank has alike, so a refusal leaves the model serving.
+                with agreeing():
+                    lowered[options] = self._lower(gm, list(args), lowering.configured(options), in_regions)
+            return lowered[options](*args)
+
+        return run
+
+    def _passes(self, lowering: Lowering) -> list:
+        """The pipeline with `lowering`'s passes (this backend's back end under some options)."""
+        if lowering.options not in self._pipelines:
+            self._pipelines[lowering.options] = default_passes(lowering.passes(), self.front_end)
+        return self._pipelines[lowering.options]
+
+    def _lower(self, gm: fx.GraphModule, example_inputs, lowering: Lowering, in_regions: bool):
+        """gm through the pipeline with `lowering`'s passes and the inner compiler, fed its host inputs."""
+        if in_regions:
+            return self._compile_regions(gm, example_inputs, lowering)
         # Dynamo reads its graph's placeholders after this call, and a lowering may add inputs.
         gm = _own_graph(gm)
         if self.pool is not None:
             bind_pool(gm, example_inputs, self.pool)
         bind_weights(gm, example_inputs)  # also when off: a later fusing graph must know what this one reads
-        report = self.manager.run(gm)
+        report = self.manager.run(gm, self._passes(lowering))
         self.reports.append(report)
         log.info("dcp_compile graph %d: %s", len(self.reports) - 1, report.summary())
-        feed = self.lowering.host_feed(gm, self.parallel.dcp_rank)
+        feed = lowering.host_feed(gm, self.parallel.dcp_rank)
         if feed is not None:
             self.host_slot.feed(feed)  # this step's values: the examples the inner compiler sees
             example_inputs = list(example_inputs) + feed.examples()
-        compiled = _inner_compiler(self.config, self.lowering)(gm, example_inputs)
+        compiled = _inner_compiler(self.config, lowering)(gm, example_inputs)
         finish_fusion(gm)
         if feed is None:
             return compiled
@@ -121,8 +158,8 @@ class DCPBackend:
     def _caches(self) -> list:
         return [self.pool.cache(i) for i in range(self.pool.num_layers)]
 
-    def _compile_regions(self, gm: fx.GraphModule, example_inputs):
-        """The passes, the lowering and the inner compiler once per compile region
+    def _compile_regions(self, gm: fx.GraphModule, example_inputs, lowering: Lowering):
+        """The passes, `lowering` and the inner compiler once per compile region
         (dcp_compile/regions.py); the graph around the regions runs as FX code."""
         gm = _own_graph(gm)
         bind_weights(gm, example_inputs)  # marks the layers' weights read: nothing fuses them later
@@ -132,7 +169,7 @@ class DCPBackend:
             log.info("fuse_projections: not inside compile regions "
                      "(invoke_subgraph refuses inputs that share a storage)")
         pool_nodes = pool_inputs(gm.graph, example_inputs, self._caches()) if self.pool is not None else {}
-        inner = _inner_compiler(self.config, self.lowering)
+        inner = _inner_compiler(self.config, lowering)
         records, feeds, lowered = [], [], {}
         found = regions.find_regions(gm)
         state = regions.written_operands(gm, found)
@@ -146,9 +183,9 @@ class DCPBackend:
             region.module.meta[regions.OUTER_SOURCES] = regions.OuterSources(region)
             captured = {node: i for i, node in enumerate(region.placeholders())}
             common = region.common_operands()
-            records += self.manager.run(region.module).records
+            records += self.manager.run(region.module, self._passes(lowering)).records
             del region.module.meta[regions.OUTER_SOURCES]  # the outer graph changes from here on
-            feed = self.lowering.host_feed(region.module, self.parallel.dcp_rank)
+            feed = lowering.host_feed(region.module, self.parallel.dcp_rank)
             host = {}  # host-fed placeholder: (the outer placeholder, its example)
             if feed is not None:
                 feed.share([earlier for _, earlier in feeds])

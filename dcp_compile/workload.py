@@ -64,7 +64,8 @@ class Workload:
     """The DCP model's inner compiler (DCPConfig.inner_compile: auto, eager, inductor, or one of the back end's own)."""
     options: tuple = ()
     """The DCP model's back-end option values by name (DCPConfig.options; a dict is taken too),
-    checked by the back end; the dcp_size=1 baseline keeps its back end's defaults."""
+    checked by the back end; the dcp_size=1 baseline keeps its back end's defaults, but for the
+    facts of the deployment its Options mark (Options.baseline_values, e.g. fia_block_sizes)."""
 
     default_dtype = "float32"
     device_type = "cpu"

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from dcp_compile import api
+from dcp_compile.config import option_values
 from dcp_compile.lowering import registry
 from dcp_compile.models import hf_config
 from dcp_compile.models.config import allowed_tp_sizes
@@ -133,14 +134,28 @@ class Scenario(Workload):
         self._check_back_end()
 
     def _check_back_end(self) -> None:
-        """The back end serves this device, widths and dtype ('auto' is resolved on the ranks)."""
-        if self.kernels == registry.AUTO:
+        """The back end serves this device, widths, dtype and inner compiler ('auto' is resolved on
+        the ranks where the device has several back ends), and the baseline's back end its pages."""
+        self._check_baseline()
+        if self.kernels == registry.AUTO and len(registry.auto_choices(self.device)) > 1:
             return
         cfg = self.model_config()
         pool = PoolSpec(torch.device(self.device), cfg.kv_lora_rank, cfg.qk_rope_head_dim, DTYPES[self.dtype], self.pages)
-        reasons = self.lowering().unsupported_reasons(pool, self.config())
+        lowering = self.lowering()
+        reasons = lowering.unsupported_reasons(pool, self.config())
         if reasons:
-            raise ValueError(f"--kernels {self.kernels}: {'; '.join(reasons)}")
+            raise ValueError(f"--kernels {lowering.name}: {'; '.join(reasons)}")
+
+    def _check_baseline(self) -> None:
+        """The dcp_size=1 baseline's back end, with its options, reads the baseline's pages."""
+        if self.baseline_kernels == registry.AUTO:
+            return
+        baseline = self.baseline_lowering()
+        try:
+            baseline.check_layout(self.pages_for(1), 1, 1)
+        except ValueError as exc:
+            raise ValueError(f"--block-size {self.block_size} does not suit the dcp_size=1 baseline "
+                             f"(kernels={baseline.name!r}): {exc}") from None
 
     def _check_pages(self) -> None:
         """Both models' pages tile the pool (the KV pool and the request table need it)."""
@@ -204,6 +219,20 @@ class Scenario(Workload):
         """The dcp_size=1 baseline's back end: the DCP model's own where its numerics differ from the
         reference's (Lowering.baseline), else the torch reference on the CPU and 'auto' on a device."""
         return self.lowering().baseline or ("torch" if self.device == "cpu" else registry.AUTO)
+
+    @property
+    def baseline_options(self) -> tuple:
+        """The option values the baseline takes of `options`: those its back end's Options mark as
+        facts of the deployment (Options.baseline_values; the NPU back end's fia_block_sizes, which
+        its pages need). The options under test keep their defaults there: the baseline is the
+        reference they are checked against."""
+        return option_values(self.baseline_lowering().Options.baseline_values(self.options))
+
+    def baseline_lowering(self):
+        """The baseline's back end with its options (for 'auto', the one it falls back to here)."""
+        name = self.baseline_kernels
+        lowering = registry.get(name if name != registry.AUTO else registry.auto_choices(self.device)[-1])
+        return lowering.configured(registry.options_for(lowering, lowering.Options.baseline_values(self.options)))
 
     def model_config(self):
         if self.checkpoint is not None:
@@ -354,7 +383,7 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         else:
             model = MLAModel(cfg, seed=scenario.seed, **common)
         model.regions = scenario.regions and dcp_size > 1
-        options = dict(scenario.options) if dcp_size > 1 else {}  # the baseline keeps its back end's defaults
+        options = dict(scenario.options if dcp_size > 1 else scenario.baseline_options)
         return api.apply(model, dcp_size, interleave=scenario.interleave if dcp_size > 1 else 1, **options,
                          debug_checks=scenario.debug_checks, attention_strategy=scenario.attention_strategy,
                          kernels=scenario.kernels if dcp_size > 1 else scenario.baseline_kernels,

@@ -24,6 +24,8 @@ backend, the demo, the dump) asks it through these members and never names one:
   gather-kv strategy, which `strategies(dcp_size)` then compiles at dcp_size 1 too;
 - which dcp_size=1 baseline a comparison runs it against: `baseline` (the demo);
 - its graphs' shapes: `static_shapes(strategy, config)` (compiled per batch shape, or symbolic);
+- its lowering per step: `step_options(host)`, where one captured graph is lowered under other
+  options for steps whose host metadata its own lowering does not serve;
 - its host inputs: `plans_on_host` (each step needs the batch's host metadata) and
   `host_feed(gm, dcp_rank)`, the runtime.host_inputs.HostFeed of a lowered graph, which the
   backend and the graph runner feed before every run and replay.
@@ -57,7 +59,9 @@ class Options:
     """A back end's options (this one has none). A back end subclasses it with one field per
     option; `field(metadata={"choices": ..., "help": ...})` gives the CLI flag (`--name-with-
     dashes`, or metadata["flag"], taking metadata["flag_choices"] where given, which
-    metadata["parse"] turns into the value)."""
+    metadata["parse"] turns into the value). metadata["baseline"] = True marks a fact of the
+    deployment (what its kernels accept, not a choice of kernels or layout): a dcp_size=1 baseline
+    on the same back end takes it too (`baseline_values`)."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -65,6 +69,14 @@ class Options:
             value = getattr(self, field.name)
             if choices is not None and (value not in choices or type(value) is not type(choices[0])):
                 raise ValueError(f"{field.name} must be one of {list(choices)}, got {value!r}")
+
+    @classmethod
+    def baseline_values(cls, values) -> dict:
+        """Of option values by name (a run's, on any back end), those a baseline on this back end
+        takes: the fields of these Options marked metadata["baseline"]. The others keep their
+        defaults there, so that the baseline stays the reference the options are checked against."""
+        shared = {field.name for field in dataclasses.fields(cls) if field.metadata.get("baseline")}
+        return {name: value for name, value in dict(values).items() if name in shared}
 
 
 class Lowering:
@@ -201,6 +213,16 @@ class Lowering:
         if self.plans_on_host:
             return dcp_size * math.lcm(block_size, interleave)
         return 1
+
+    def step_options(self, host) -> Options | None:
+        """The options a step's graph is lowered under, read from the step's host metadata
+        (runtime.host_metadata.HostMetadata, or None where the step has none), for a back end one
+        of whose options lowers a graph that serves only some of the batches of its shape. The
+        backend lowers a captured graph once per distinct answer, when a step first needs it, and
+        picks the lowering on the host at every call (a replay of a captured device graph runs
+        the lowering it captured). None (the default): every step runs the graph lowered under
+        `options`, with no choice made per call."""
+        return None
 
     def host_feed(self, gm: fx.GraphModule, dcp_rank: int) -> HostFeed | None:
         """The feed of a graph it lowered, or None where the graph reads nothing from the host."""

@@ -107,12 +107,15 @@ class PassManager:
         self.observers = list(observers)
         self.graphs_run = 0
 
-    def run(self, gm: fx.GraphModule) -> PassReport:
+    def run(self, gm: fx.GraphModule, passes: list[GraphPass] | None = None) -> PassReport:
+        """Run the pipeline over `gm`: the manager's, or `passes` (default_passes() with a back end's
+        lowering under other options, for a step that graph serves: Lowering.step_options), under
+        the same numbering, observers and disabled passes."""
         normalize_meta(gm.graph)
         gm.meta[CAPTURED_MUTATIONS] = mutated_inputs(gm.graph)
         graph_index, self.graphs_run = self.graphs_run, self.graphs_run + 1
         records = []
-        for order, graph_pass in enumerate(self.passes):
+        for order, graph_pass in enumerate(self.passes if passes is None else passes):
             before_nodes, before_ops = len(gm.graph.nodes), dict(op_counts(gm.graph))
             ran = graph_pass.name not in self.disabled and graph_pass.applies(self.config)
             self._notify(graph_index, order, graph_pass.name, "before", gm)

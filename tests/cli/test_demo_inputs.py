@@ -18,6 +18,7 @@ from dcp_compile.cli.main import main
 from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.harness.scenario import Driver, Scenario
+from dcp_compile.runtime import devices
 
 
 @pytest.mark.parametrize("args, message", [
@@ -114,6 +115,16 @@ def test_cuda_without_a_gpu_is_refused_before_any_rank(capsys, monkeypatch):
                                        "needs 2 GPUs, this host has 1\n")
 
 
+@pytest.mark.skipif(devices.torch_npu_installed(), reason="torch_npu ships torchair")
+@pytest.mark.parametrize("kernels", [["--kernels", "npu"], []], ids=["npu", "auto"])
+def test_inner_compile_torchair_without_torchair_is_refused_before_any_rank(kernels, npu_emulator, capsys, monkeypatch):
+    _no_rank(monkeypatch)
+    assert main(["demo", "--device", "npu", *kernels, "--inner-compile", "torchair"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dcp-compile demo: error: --kernels npu: inner_compile='torchair' needs torchair, which ships "
+                          "with torch_npu") and "inner_compile='eager'" in err and err.count("\n") == 1
+
+
 def test_triton_kernels_on_cpu_need_the_interpreter_and_triton(capsys, monkeypatch):
     from dcp_compile.lowering import triton as triton_kernels
 
@@ -146,6 +157,45 @@ def test_a_decode_run_may_fill_the_pool_to_its_last_location(scenario_results):
     scenario = FILLS_THE_POOL
     result = scenario_results[scenario]
     assert result["tokens_total"] == scenario.kv_rows - 1 and result["tokens_match"] and result["outputs_match"]
+
+
+# Demo commands on the emulated npu device that once failed in the ranks. Their Scenarios run in the
+# shared npu spawn (tests/conftest.py); the test runs the CLI on the flags, which must build the same
+# Scenario, with the spawn's result as its comparison.
+NPU_DEMO = ["--device", "npu", "--kernels", "npu"]
+DEMO_COMMANDS = [
+    # npu_verify='mask' over a prefill of 5 tokens and a padded row's 1: 6 tokens over 2 rows of
+    # unequal query counts, which a graph lowered for rows of 3 queries each does not serve
+    (["--npu-verify", "mask", "--block-size", "16", "--batch", "1", "--context", "5", "--steps", "1"],
+     dict(options=(("npu_verify", "mask"),), block_size=16, batch=1, contexts=(5,), steps=1)),
+    # FIA blocks of 64, which only fia_block_sizes='cann-2026' allows: the dcp_size=1 baseline's too
+    (["--fia-block-sizes", "cann-2026", "--block-size", "64", "--batch", "1", "--context", "5", "--steps", "1",
+      "--layers", "1"],
+     dict(options=(("fia_block_sizes", "cann-2026"),), block_size=64, batch=1, contexts=(5,), steps=1, layers=1)),
+]
+NPU_SCENARIOS = [dict(kernels="npu", device="npu", **case) for _, case in DEMO_COMMANDS]
+"""Run by tests/conftest.py, in one spawn per TP size with the other modules' cases."""
+
+
+@pytest.mark.parametrize("args, case", DEMO_COMMANDS, ids=["npu-verify-mask", "fia-block-sizes-cann-2026"])
+def test_a_demo_command_on_the_npu_exits_0_with_a_match(args, case, npu_scenario_results, monkeypatch):
+    from dcp_compile.cli import demo
+
+    monkeypatch.setattr(demo, "compare", lambda scenario: npu_scenario_results[scenario])
+    assert main(["demo", *NPU_DEMO, *args]) == 0
+    result = npu_scenario_results[Scenario(kernels="npu", device="npu", **case)]
+    assert result["tokens_match"] and result["outputs_match"] and result["emulated"]
+    assert {name: result[name] for name, _ in case["options"]} == dict(case["options"])
+
+
+def test_the_baseline_takes_the_deployments_options_not_those_under_test(npu_emulator):
+    """The dcp_size=1 baseline runs the NPU back end with its defaults, but for the options that
+    say what the deployment accepts (fia_block_sizes): without those its blocks can be refused."""
+    options = dict(fia_block_sizes="cann-2026", npu_verify="mask", npu_kv_format="nd", fia_version=2)
+    scenario = Scenario(kernels="npu", device="npu", block_size=64, options=options)
+    assert scenario.baseline_kernels == "npu" and scenario.baseline_options == (("fia_block_sizes", "cann-2026"),)
+    assert Scenario(kernels="npu", device="npu", options=dict(npu_verify="mask")).baseline_options == ()
+    assert Scenario(kernels="triton", options=dict(verify_attention="folded")).baseline_options == ()  # the torch baseline
 
 
 def test_the_drivers_request_table_knows_the_vocabulary():

@@ -196,10 +196,3 @@ def test_bad_option_values(fields, message):
     model = MLAModel(TINY_512, 4096, max_requests=4, dtype=torch.bfloat16, page_size=BLOCK, device="npu")
     with pytest.raises(ValueError, match=message):
         dcp_compile.apply(model, 1, kernels="npu", **fields)
-
-
-def test_masked_verify_refuses_rows_of_unequal_query_counts():
-    # 3 + 1 + 3 tokens and a padded row's 1: 8 over 4 rows, a graph lowered for rows of 2
-    steps = [[[5] * 9, [6] * 20, [7]], [[1, 2, 3], [4], [5, 6, 7]]]
-    with pytest.raises(ValueError, match="npu_verify='mask' lowered this graph for rows of equal query counts"):
-        _run(steps=steps, npu_verify="mask")

@@ -16,8 +16,10 @@ import torch
 import dcp_compile
 from bench.lib import result as results
 from dcp_compile.lowering import npu as npu_lowering
+from dcp_compile.lowering.base import Unsupported
 from dcp_compile.lowering.npu import inner_compile
 from dcp_compile.models.mla import MLAModel
+from dcp_compile.runtime import devices
 from dcp_compile.runtime.batch import RequestTable
 from dcp_compile.runtime.graph_runner import GraphRunner, StaleHostLengthsError
 from tests.npu.models import TINY_512
@@ -46,6 +48,7 @@ def test_torchair_is_handed_symbolic_fia_lengths(monkeypatch):
         return compile_graph
 
     monkeypatch.setattr(inner_compile, "torchair_compiler", fake_torchair)
+    monkeypatch.setattr(inner_compile, "torchair_missing", lambda mode: None)
     model, eager = npu_model(inner_compile="torchair"), npu_model()
     tables = [RequestTable(4, 64, 2048, 16) for _ in range(2)]
     outs = []
@@ -63,6 +66,16 @@ def test_torchair_is_handed_symbolic_fia_lengths(monkeypatch):
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     symbolic = [example for node, example in zip(placeholders, example_inputs) if node in lengths]
     assert len(symbolic) == 4 and all(isinstance(v, torch.SymInt) for v in symbolic)
+
+
+@pytest.mark.skipif(devices.torch_npu_installed(), reason="torch_npu ships torchair")
+def test_inner_compile_torchair_without_torchair_is_refused_at_apply():
+    """Where torchair is missing (the emulated device has none: it ships with torch_npu), apply()
+    refuses inner_compile='torchair' naming what is missing and what to do, instead of dynamo's
+    compiler failure at the first step."""
+    with pytest.raises(Unsupported, match=r"inner_compile='torchair' needs torchair, which ships with torch_npu.*"
+                                          r"inner_compile='eager'"):
+        npu_model(inner_compile="torchair")
 
 
 class FakeGraphs:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import dcp_compile
+from dcp_compile.backend import DCPBackend
 from dcp_compile.cli.main import main as cli_main
 from dcp_compile.debug import fake_capture
 from dcp_compile.lowering.base import Unsupported
@@ -32,6 +33,7 @@ from tests.npu.models import TINY_512
 ensure_ops()
 FIA = torch.ops.npu.npu_fused_infer_attention_score.default
 UPDATE = torch.ops.npu.npu_attention_update.default
+CAUSAL_MASK = "dcp_npu::step_causal_mask"  # the masked verify's mask (native kernels)
 NPU = "npu"
 
 
@@ -138,24 +140,26 @@ def test_dump_shows_the_fia_and_merge_nodes(tmp_path):
 
 class Pair:
     """The same tiny-512 bf16 model (the same weights) under the torch reference on the CPU and
-    under the NPU lowering on the npu device."""
+    under the NPU lowering on the npu device (with the NPU back end's `options`)."""
 
     devices = ("cpu", NPU)
 
-    def __init__(self, heads=8, debug_checks=False, capacity=2048, page_size=16):
+    def __init__(self, heads=8, debug_checks=False, capacity=2048, page_size=16, **options):
         cfg = TINY_512.replace(num_heads=heads)
         self.models = [
             dcp_compile.apply(MLAModel(cfg, capacity, max_requests=4, dtype=torch.bfloat16, page_size=page_size,
-                                       device=device), 1, kernels=kernels, debug_checks=debug_checks)
+                                       device=device), 1, kernels=kernels, debug_checks=debug_checks,
+                              **(options if kernels == "npu" else {}))
             for kernels, device in zip(("torch", "npu"), self.devices)
         ]
         self.tables = [RequestTable(4, 96, capacity, page_size) for _ in self.models]
         self.tolerance_scale = half_precision_tolerance("bfloat16", cfg.num_mla_layers, 1.0)
 
-    def step(self, tokens, all_logits=False, pad_rows=1):
+    def step(self, tokens, all_logits=False, pad_rows=1, bucket=False):
         outs = []
         for model, table, device in zip(self.models, self.tables, self.devices):
-            batch = table.extend_batch(list(range(len(tokens))), tokens, pad_rows=pad_rows, all_logits=all_logits)
+            batch = table.extend_batch(list(range(len(tokens))), tokens, pad_rows=pad_rows, all_logits=all_logits,
+                                       bucket=bucket)
             outs.append(model(*batch.to(device).args(), host_metadata=batch.host))
         reference_out, npu_out = outs
         assert npu_out.device.type == NPU
@@ -196,6 +200,27 @@ def test_one_graph_per_batch_shape_over_changing_lengths():
     state = dcp_compile.state(pair.models[1])
     assert len(state.reports) == 3  # prefill, decode, verify
     assert sum(state.strategy_counts.values()) == 1 + 20 + 6
+
+
+def test_masked_verify_serves_rows_of_unequal_query_counts_and_masks_rows_of_equal_ones(monkeypatch):
+    """npu_verify='mask' serves every batch: a prefill or extend whose tokens divide evenly over
+    rows of unequal query counts runs the split FIA, a verify batch of equal k the masked FIA, and
+    one captured graph (a batch shape) serves both, each lowering made when a step first needs it."""
+    captured = []  # the graphs dynamo hands a backend
+    backend_call = DCPBackend.__call__
+    monkeypatch.setattr(DCPBackend, "__call__",
+                        lambda self, gm, inputs: captured.append(self) or backend_call(self, gm, inputs))
+    pair = Pair(npu_verify="mask")
+    every = dict(all_logits=True)  # the same logits rows for all: one captured graph per token count
+    pair.step([[1, 2, 3], [4], [5, 6, 7]], **every)  # prefill: 3 + 1 + 3 and a padded row's 1, 8 over 4 rows
+    pair.step([[1] * 2, [2] * 2, [3] * 2], bucket=True, **every)  # verify k = 2: 4 rows of 2, the same graph
+    pair.step([[1] * 4, [2] * 4, [3] * 4], bucket=True, **every)  # verify k = 4: 4 rows of 4
+    pair.step([[1] * 6, [2] * 5, [3] * 4], **every)  # extend: 6 + 5 + 4 + 1, 16 over 4 rows, the same graph
+    reports = dcp_compile.state(pair.models[1]).reports
+    masked = [any(r.name == "lower_npu_attention" and r.ops_after.get(CAUSAL_MASK) for r in report.records)
+              for report in reports]
+    assert masked == [False, True, True, False]
+    assert captured.count(dcp_compile.state(pair.models[1]).backends["gather-q"]) == 2  # one per batch shape
 
 
 # --- Regressions --------------------------------------------------------------------------

@@ -32,11 +32,27 @@ def test_default_options_accepted(dep):
     assert versions.unsupported_reasons(object(), dep) == []  # every attribute missing: the defaults
 
 
-@pytest.mark.parametrize("soc,family", [("Ascend910B1", "A2"), ("Ascend910B4", "A2"), ("Ascend910_9391", "A3"),
-                                        ("Ascend910_9362", "A3"), ("Ascend950PR", "A5"), ("Ascend950DT", "A5"),
-                                        ("Ascend910A", None), ("Ascend310P3", None), (None, None)])
+# torch_npu's SoC table (versions.py names its source): each name by family. "Ascend910B" (SocVersion
+# 104) is a first-generation Ascend 910, not an Atlas A2.
+A2_NAMES = ["Ascend910B1", "Ascend910B2", "Ascend910B2C", "Ascend910B3", "Ascend910B4", "Ascend910B4-1"]
+A3_NAMES = ["Ascend910_9391", "Ascend910_9392", "Ascend910_9381", "Ascend910_9382", "Ascend910_9372", "Ascend910_9362",
+            "Ascend910_9363", "Ascend910_9361"]
+A5_NAMES = ["Ascend950PR_9579", "Ascend950PR_957b", "Ascend950DT_9591", "Ascend950DT_95A1", "Ascend950PR", "Ascend950DT"]
+REFUSED_NAMES = ["Ascend910B", "Ascend910A", "Ascend910ProA", "Ascend910ProB", "Ascend910PremiumA", "Ascend310P3",
+                 "Ascend310B1", "Ascend910B5", "Ascend910B3 ", "ascend910b3", "Ascend910B41", "Ascend910_93",
+                 "Ascend910_9391x", "", None]
+
+
+@pytest.mark.parametrize("soc,family", [*((n, "A2") for n in A2_NAMES), *((n, "A3") for n in A3_NAMES),
+                                        *((n, "A5") for n in A5_NAMES), *((n, None) for n in REFUSED_NAMES)])
 def test_soc_family(soc, family):
     assert versions.soc_family(soc) == family
+
+
+def test_a_first_generation_ascend910b_is_refused():
+    (reason,) = versions.unsupported_reasons(opts(), Deployment("Ascend910B", versions.soc_family("Ascend910B"),
+                                                                "9.0.0", "2.10.0", None))
+    assert "Ascend910B (no known family)" in reason and "Ascend910B1" in reason and "§18.1" in reason
 
 
 def test_unknown_soc_refused():

@@ -56,10 +56,12 @@ class FIAFeed(HostFeed):
         if self.pool_blocks is not None and table is not None and table.numel() and int(table.max()) >= self.pool_blocks:
             raise IndexError(f"the host block table names local block {int(table.max())}, but the KV shard FIA reads "
                              f"holds {self.pool_blocks} blocks: the request table hands out locations past the pool")
+        # A step of such rows runs the graph lowered with the split (NPULowering.step_options): only
+        # a replay of a device graph captured for rows of equal counts can get here with others.
         if self.rows_of_equal_queries and len(set(host.query_lens)) > 1:
-            raise ValueError(f"npu_verify='mask' lowered this graph for rows of equal query counts (a verify step, or "
-                             f"padded rows of one); this batch has query counts {list(host.query_lens)}: use "
-                             "npu_verify='split' for batches that mix them")
+            raise ValueError(f"this graph was lowered for rows of equal query counts (npu_verify='mask', captured for "
+                             f"a verify step of k tokens a row); this batch has query counts {list(host.query_lens)}: "
+                             "replay a captured graph only for batches of its tokens per row")
 
     def lists(self, host: RankHostMetadata) -> dict[str, list[int]]:
         """The pieces of the split FIA calls (pieces.py), padded to the graph's count

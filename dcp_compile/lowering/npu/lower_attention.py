@@ -22,7 +22,8 @@ Options (lowering/npu/options.NPUOptions: npu_kv_format, fia_version, npu_verify
   BSND (v1) or BSND_NBSD (v2), with actual_seq_lengths the rows' query counts and a rank-local
   causal mask [B, 1, S, blocks x block] from dcp_npu.rank_causal_mask, as vllm-ascend and SGLang
   verify under DCP; no window kernel. A graph whose tokens do not split evenly over its rows keeps
-  the split.
+  the split, and a step whose rows' query counts differ runs its graph lowered with the split
+  (NPULowering.step_options: the backend lowers a graph per the step's host metadata).
 
 The lengths and the block table are host-fed graph inputs (lowering/paged.HostPlaceholders) that
 the graph's FIAFeed fills each step. Why this scheme (layouts, the split for verify, heads padded

@@ -6,6 +6,7 @@ KV layouts (split, or NZ: kv_layout.py), its ops (`dcp_npu::`, ops.py) and its i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -14,6 +15,7 @@ import torch.fx as fx
 from dcp_compile.lowering.base import POOL_STRATEGIES, Lowering
 from dcp_compile.lowering.kv_layout import SplitKVCache, SplitLayout
 from dcp_compile.lowering.npu.feed import FIAFeed
+from dcp_compile.lowering.npu import inner_compile
 from dcp_compile.lowering.npu import native_ops, versions
 from dcp_compile.lowering.npu.kv_layout import PART_VIEWS, NZLayout
 from dcp_compile.lowering.npu.native import LowerNativeKernels
@@ -23,7 +25,6 @@ from dcp_compile.lowering.npu.options import NPUOptions
 from dcp_compile.lowering.triton.lower_kernels import LowerKernels
 from dcp_compile.ops import nz
 from dcp_compile.ops.targets import WINDOW_QUERIES
-from dcp_compile.runtime.devices import require_torch_npu
 from dcp_compile.runtime.host_inputs import host_placeholders
 
 log = logging.getLogger("dcp_compile.lowering")
@@ -63,6 +64,10 @@ class NPULowering(Lowering):
             reasons.append(f"npu_attention_update merges at most {MAX_UPDATE_SHARDS} shards, dcp_size is {config.dcp_size}")
         if pool.device.type == "npu":  # the SoC, CANN, torch_npu and triton-ascend this runs on (docs/ascend.md §18)
             reasons.extend(versions.unsupported_reasons(self.options, versions.deployment()))
+            if config.inner_compile == "torchair":
+                missing = inner_compile.torchair_missing(self.options.torchair_mode)
+                if missing is not None:
+                    reasons.append(missing)
         if self.options.npu_kernels == "native" and not has_scatter_pa_kv_cache():
             reasons.append("npu_kernels='native' writes the KV through torch_npu.npu_scatter_pa_kv_cache, which this "
                            "torch_npu lacks: use a newer torch_npu (docs/ascend.md §18), or npu_kernels='triton'")
@@ -116,8 +121,6 @@ class NPULowering(Lowering):
         return self.options.npu_kernels == "native"
 
     def prepare(self, pool, config) -> None:
-        if config.inner_compile == "torchair":
-            require_torch_npu("inner_compile='torchair'")
         if pool.device.type == "npu":
             for advice in versions.advisories(self.options, versions.deployment()):
                 log.warning("kernels='npu': %s", advice)
@@ -125,9 +128,19 @@ class NPULowering(Lowering):
     def inner_compiler(self, name: str):
         if name != "torchair":
             return super().inner_compiler(name)
-        from dcp_compile.lowering.npu.inner_compile import torchair_compiler
+        return inner_compile.torchair_compiler(self.options.torchair_mode)
 
-        return torchair_compiler(self.options.torchair_mode)
+    def step_options(self, host) -> NPUOptions | None:
+        """npu_verify='mask' lowers a graph's rows to the masked FIA by its shape (T = B x S), which
+        only a batch of rows of S queries each fits: a step whose rows' query counts differ (a
+        prefill or extend whose tokens happen to divide evenly over its rows) runs the graph
+        lowered under npu_verify='split', which serves every batch. Read from the host metadata
+        (the same on every rank), so every rank runs the same lowering."""
+        if self.options.npu_verify != "mask":
+            return None
+        if host is not None and len(set(host.query_lens)) > 1:
+            return dataclasses.replace(self.options, npu_verify="split")
+        return self.options
 
     def static_shapes(self, strategy: str, config) -> bool:
         return strategy in POOL_STRATEGIES or config.inner_compile == "torchair"

@@ -48,15 +48,16 @@ class NPUOptions(Options):
     """Verify and short extend rows: 'split' (FIA unmasked over each row's keys before its first
     query, plus a window kernel over the rest, merged by LSE) or 'mask' (one FIA call per layer
     with a rank-local causal mask [B, 1, S, blocks x 128], as vllm-ascend and SGLang verify under
-    DCP; rows of equal query counts, S <= 16). docs/ascend.md §15.3."""
+    DCP; rows of equal query counts, S <= 16: a step of other rows runs the split). docs/ascend.md §15.3."""
 
     fia_block_sizes: str = field(default="cann-2025", metadata={
-        "choices": FIA_BLOCK_SIZE_RULES,
+        "choices": FIA_BLOCK_SIZE_RULES, "baseline": True,
         "help": "which FIA block sizes to allow: cann-2025 (16 or 128) or cann-2026 (multiples of 16 up to 1024)"})
     """Which FIA block sizes (rows of a local KV block) to allow. 'cann-2025': 16 or 128, what
     CANN's FIA tiling check allowed for ND MLA paged KV until 2026 (ops-transformer c29bc106,
     2025-11), and what both engines use (128); 'cann-2026': any multiple of 16 up to 1024, which
-    only a CANN built from ops-transformer of 2026 or later (e197ec56) accepts (docs/ascend.md §4.5)."""
+    only a CANN built from ops-transformer of 2026 or later (e197ec56) accepts (docs/ascend.md §4.5).
+    A fact of the CANN, not a kernel choice: the demo's dcp_size=1 baseline takes it too."""
 
     torchair_mode: str = field(default="reduce-overhead", metadata={
         "choices": TORCHAIR_MODES,

@@ -21,13 +21,17 @@ from typing import NamedTuple
 
 # --- SoC families ------------------------------------------------------------------------------
 
-# torch.npu.get_device_name() prefixes (Ascend/pytorch COMPATIBILITY.en.md, "Hardware support",
-# names the families; the SoC names are torch_npu's, e.g. "Ascend910B3", "Ascend910_9391").
-SOC_FAMILIES = (
-    ("Ascend910_93", "A3"),   # Atlas A3 (Ascend910_93xx)
-    ("Ascend910B", "A2"),     # Atlas A2 (Ascend910B1..B4)
-    ("Ascend950", "A5"),      # Ascend 950 (950PR / 950DT)
-)
+# The SoC names torch.npu.get_device_name() gives, by family (Ascend/pytorch COMPATIBILITY.en.md,
+# "Hardware support", names the families), from torch_npu's own SoC table: the torch_npu 2.13.0 wheel's
+# include/torch_npu/csrc/core/npu/NpuVariables.h (enum SocVersion) and the names its
+# lib/libtorch_npu.so maps to it (socVersionMap of torch_npu/csrc/core/npu/NpuVariables.cpp). Atlas A2
+# is SocVersion 220-225, Atlas A3 250-256 (Ascend910_9361 from the same table at Ascend/pytorch
+# 00acf37e), Ascend 950 (A5) 260, whose names are Ascend950PR_xxxx and Ascend950DT_xxxx. "Ascend910B"
+# (SocVersion 104) is a first-generation Ascend 910 beside Ascend910A and Ascend910ProB, not an A2.
+A2_SOCS = ("Ascend910B1", "Ascend910B2", "Ascend910B2C", "Ascend910B3", "Ascend910B4", "Ascend910B4-1")
+A3_SOCS = ("Ascend910_9391", "Ascend910_9392", "Ascend910_9381", "Ascend910_9382", "Ascend910_9372", "Ascend910_9362",
+           "Ascend910_9363", "Ascend910_9361")
+A5_PREFIX = "Ascend950"
 FAMILIES = ("A2", "A3", "A5")
 
 EMULATOR_ENV = "DCP_COMPILE_NPU_EMULATOR"
@@ -39,9 +43,12 @@ EMULATOR_CANN_DEFAULT = "9.0.0"  # the CANN of torch_npu 2.10.0 (vllm-ascend's p
 
 def soc_family(soc: str | None) -> str | None:
     """'A2', 'A3' or 'A5' for a torch.npu.get_device_name() answer; None for any other SoC."""
-    for prefix, family in SOC_FAMILIES:
-        if soc and soc.startswith(prefix):
-            return family
+    if soc in A2_SOCS:
+        return "A2"
+    if soc in A3_SOCS:
+        return "A3"
+    if soc and soc.startswith(A5_PREFIX):
+        return "A5"
     return None
 
 
@@ -277,8 +284,8 @@ def unsupported_reasons(options, deployment: Deployment) -> list[str]:
     reasons = []
 
     if d.family is None:
-        reasons.append(f"the NPU back end runs FIA's MLA path on Atlas A2 (Ascend910B*), Atlas A3 (Ascend910_93*) "
-                       f"or Ascend950 (A5), found {found} (docs/ascend.md §18.1)")
+        reasons.append(f"the NPU back end runs FIA's MLA path on Atlas A2 ({', '.join(A2_SOCS)}), Atlas A3 "
+                       f"({', '.join(A3_SOCS)}) or Ascend 950 (A5, {A5_PREFIX}*), found {found} (docs/ascend.md §18.1)")
     if parse_cann(d.cann) is None:
         reasons.append(f"the CANN version could not be read (torch.npu.utils.get_cann_version(module=\"CANN\") gave "
                        f"{d.cann!r}); FIA's softmax LSE with MLA needs CANN >= {LSE_MLA_MIN_CANN} (docs/ascend.md §2.4)")
