@@ -152,6 +152,17 @@ def test_nz_accepted(dep):
     assert versions.unsupported_reasons(opts(npu_kv_format="nz"), dep) == []
 
 
+def test_nz_with_the_native_write_refused_on_an_a5_cann_before_pa_nz():
+    """The Ascend950 (arch35) kernels of npu_scatter_pa_kv_cache wrote ND 'Norm' only before 2026
+    ops-transformer: an NZ cache written natively there is refused; ND, and the Triton writer's own
+    NZ addressing, are not."""
+    early_a5 = A5._replace(cann="8.5.0")
+    (reason,) = versions.unsupported_reasons(opts(npu_kv_format="nz"), early_a5)
+    assert "npu_kv_format='nz'" in reason and "PA_NZ" in reason and "npu_kv_format='nd'" in reason
+    assert versions.unsupported_reasons(opts(), early_a5) == []
+    assert versions.unsupported_reasons(opts(npu_kv_format="nz"), A2._replace(cann="8.5.0")) == []
+
+
 def test_several_rules_give_several_reasons():
     dep = Deployment("Ascend950PR", "A5", "8.3.RC1", "2.6.0", "3.2.0")
     reasons = versions.unsupported_reasons(opts(npu_kernels="triton", fia_version=2, npu_verify="mask"), dep)

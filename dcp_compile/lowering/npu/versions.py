@@ -144,8 +144,12 @@ _TRITON_NOTES = "triton-lang/triton-ascend docs/en/release_note.md @ 30b4f77c"
 TRITON_ASCEND_RELEASES = (
     TritonAscend("3.2.0", "2.6.0", "8.5.0", ("A2", "A3")),
     TritonAscend("3.2.1", "2.7.1", "9.0.0", ("A2", "A3")),
+    TritonAscend("3.2.2", "2.10.0", "9.1.0", ("A2", "A3")),
     TritonAscend("main", "2.10.0", "9.0.0", ("A2", "A3")),
 )
+"""3.2.2 has no release note: vllm-ascend pins it with torch 2.10.0 and torch_npu 2.10.0.post6
+(requirements.txt @ 0baa3f12), and SGLang's docker/npu-950.Dockerfile @ ae0ef169 installs it with CANN
+9.1.0 (docs/ascend.md §18.3)."""
 
 # The first torch_npu, per torch series, whose npu_scatter_pa_kv_cache takes cache_mode: the op came with
 # op-plugin d69b9aa7 (2025-08-21) with cache_mode fixed to "PA_NZ" inside (line 7.2.0 on); the argument
@@ -179,8 +183,9 @@ MATRIX = (
     Row("npu_kernels", "triton", "A2, A3", ">= 8.5.0 (3.2.0), >= 9.0.0 (3.2.1, main)", "any",
         ">= 3.2.0 (3.2.0: torch 2.6.0; 3.2.1: 2.7.1; main: 2.10.0)", _TRITON_NOTES + "; §12.4, §18.3"),
     Row("npu_kv_format", "nd (default)", "A2, A3, A5", "-", "-", "-", "docs/ascend.md §11.2, §11.3"),
-    Row("npu_kv_format", "nz", "A2, A3, A5 (the A5 layout; FIA block 128 only)", ">= 8.5.0 (LSE with NZ [I])", "-",
-        "-", "docs/ascend.md §11.4, §15.1"),
+    Row("npu_kv_format", "nz", "A2, A3, A5 (FIA block 128 only)",
+        ">= 8.5.0 (LSE with NZ [I]); A5 with npu_kernels='native': >= 9.0.0 [I: PA_NZ in arch35]", "-", "-",
+        "docs/ascend.md §11.4, §15.1; ops-transformer e5b0ac51 (ND only on Ascend950), da7cb684 (PA_NZ); §18.4"),
     Row("fia_version", "1 (default)", "A2, A3, A5", "-", "every wheel from 2.7.1.post2 checked", "-",
         "docs/ascend.md §1.1"),
     Row("fia_version", "2", "A2, A3, A5", "-", ">= 2.6.0.post3 (2.6.0.post3, 2.7.1, 2.8.0 and later)", "-",
@@ -227,7 +232,7 @@ def deployment() -> Deployment:
     torch.npu.get_device_name() and torch.npu.utils.get_cann_version(module="CANN") (torch_npu/npu/utils.py:37
     @ Ascend/pytorch 9e73e708). Where torch.npu lacks them and DCP_COMPILE_NPU_EMULATOR=1, the emulated
     device's DCP_COMPILE_NPU_EMULATOR_SOC (default Ascend910B3) and DCP_COMPILE_NPU_EMULATOR_CANN
-    (default 8.5.0). torch_npu's "" for an unreadable CANN version is None."""
+    (default 9.0.0). torch_npu's "" for an unreadable CANN version is None."""
     import torch
 
     npu = getattr(torch, "npu", None)
@@ -326,6 +331,13 @@ def unsupported_reasons(options, deployment: Deployment) -> list[str]:
                        f"2025-11 tiling check refuses (ops-transformer c29bc106) and only a CANN built from 2026 "
                        f"ops-transformer accepts (>= {CANN_2026_MIN} here), found {found}; use npu_verify='split' "
                        f"(docs/ascend.md §6.4, §18.4)")
+    if (_opt(options, "npu_kv_format", "nd") == "nz" and kernels == "native" and d.family == "A5"
+            and parse_cann(d.cann) is not None and not _cann_at_least(d.cann, CANN_2026_MIN)):
+        reasons.append(f"npu_kv_format='nz' with npu_kernels='native' on Ascend950 writes the cache with "
+                       f"npu_scatter_pa_kv_cache(cache_mode='PA_NZ'), which the Ascend950 (arch35) kernels take only "
+                       f"from a CANN built from 2026 ops-transformer (>= {CANN_2026_MIN} here; earlier builds write ND "
+                       f"'Norm' only), found {found}; use npu_kv_format='nd', the default, as vllm-ascend does on A5 "
+                       f"(docs/ascend.md §18.4)")
     if blocks == "cann-2026" and parse_cann(d.cann) is not None and not _cann_at_least(d.cann, CANN_2026_MIN):
         reasons.append(f"fia_block_sizes='cann-2026' needs a CANN built from 2026 ops-transformer (>= {CANN_2026_MIN} "
                        f"here), found {found}; use fia_block_sizes='cann-2025' (docs/ascend.md §4.5, §18.4)")
