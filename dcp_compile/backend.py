@@ -46,6 +46,18 @@ def _own_graph(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def _telling_runs(compiled, slot: HostSlot, feed):
+    """A compiled region that tells `slot` of each of its runs: the order in which the step's
+    region calls run their kernels is the order a device graph captured of the step records them
+    in, and its updates follow (HostSlot.runs)."""
+
+    def run(*args):
+        slot.ran(feed)
+        return compiled(*args)
+
+    return run
+
+
 def _inner_compiler(config: DCPConfig, lowering: Lowering):
     if config.inner_compile == "inductor":
         from torch._inductor.compile_fx import compile_fx
@@ -151,7 +163,9 @@ class DCPBackend:
         slot = self.host_slot
 
         def run(*args):
-            return compiled(*args, *slot.feed(feed))
+            values = slot.feed(feed)
+            slot.ran(feed)
+            return compiled(*args, *values)
 
         return run
 
@@ -216,6 +230,8 @@ class DCPBackend:
                 inputs.append(host[node][1] if node in host else fake_value(node))
             compiled = inner(region.module, inputs)
             finish_fusion(region.module)
+            if feed is not None:
+                compiled = _telling_runs(compiled, self.host_slot, feed)
             regions.replace_calls(gm, region, compiled, sources)
             lowered[regions.module_name(region)] = region
         for region, feed in feeds:

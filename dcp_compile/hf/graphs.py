@@ -48,6 +48,9 @@ class _Captured:
     feeds: list
     """The host feeds of the graphs the captured step ran (back ends that plan on the host), fed
     before every replay."""
+    runs: list
+    """The feed of each graph run of the captured step, in order (HostSlot.runs: a compile
+    region's once per call), which lays out the replay's graph updates."""
     holds: Callable[[], DCPCache | None] = lambda: None
     """The cache whose page table and padding the static cache holds (a weak reference)."""
 
@@ -95,7 +98,7 @@ class DecodeGraphs:
         updates = None
         if captured.feeds:  # the kernels' host inputs (lengths, block tables, plans) for this step
             host = step_host_metadata(cache, 1, width=self.max_length)
-            updates = feed_replay(captured.feeds, host)
+            updates = feed_replay(captured.feeds, captured.runs, host)
         captured.input_ids.copy_(call["input_ids"])
         captured.position_ids.copy_(call["position_ids"])
         if captured.holds() is not cache:  # a cache's page table and padding never change
@@ -149,7 +152,8 @@ class DecodeGraphs:
                 state.host_slot.end()
 
         graph, output = self.graphs.capture(step, prepare)
-        return _Captured(graph, cache, input_ids, position_ids, output, list(state.host_slot.fed))
+        slot = state.host_slot
+        return _Captured(graph, cache, input_ids, position_ids, output, list(slot.fed), list(slot.runs))
 
 
 _LINEAR_STATES = ("conv_states", "recurrent_states")

@@ -141,18 +141,23 @@ class NPUGraphs(_DeviceGraphs):
         return self._applied.get(id(graph))
 
 
-def feed_replay(feeds: list[HostFeed], host: HostMetadata | None, debug: bool = False) -> list[dict] | None:
+def feed_replay(feeds: list[HostFeed], runs: list[HostFeed], host: HostMetadata | None,
+                debug: bool = False) -> list[dict] | None:
     """Feed every graph a captured step ran for this step's host metadata; returns what the
-    graph back end must push before the replay (HostFeed.graph_updates), or None."""
-    updates = []
+    graph back end must push before the replay, or None: each run's HostFeed.graph_updates, in
+    the order the step ran its graphs (`runs`, the step's HostSlot.runs: a compile region's graph
+    once per call), as the captured graph recorded their calls. NPUGraph.update takes one entry
+    per recorded call, in record order (or one for all): torch_npu/npu/graphs.py
+    update_capture_record (docs/ascend.md §9.3)."""
+    updates = {}
     for feed in feeds:
         rank = feed.rank_view(host)
         feed.prepare(rank)
         feed.values(rank)
         if debug:  # a feed that did not happen would replay another step's inputs
             feed.check_fed(rank)
-        updates.extend(feed.graph_updates(rank) or [])
-    return updates or None
+        updates[feed] = feed.graph_updates(rank) or []
+    return [update for feed in runs for update in updates[feed]] or None
 
 
 def device_graphs(device: torch.device) -> _DeviceGraphs:
@@ -164,10 +169,13 @@ def device_graphs(device: torch.device) -> _DeviceGraphs:
 
 
 class _Captured:
-    def __init__(self, graph, inputs: ForwardBatch, output: torch.Tensor, addresses: list[int], feeds: list[HostFeed]):
+    def __init__(self, graph, inputs: ForwardBatch, output: torch.Tensor, addresses: list[int], feeds: list[HostFeed],
+                 runs: list[HostFeed]):
         self.graph, self.inputs, self.output, self.addresses = graph, inputs, output, addresses
         self.feeds = feeds
         """The host feeds of the graphs the captured step ran, fed anew before every replay."""
+        self.runs = runs
+        """The feed of each graph run of the captured step, in order (HostSlot.runs)."""
         self.unread = unread_inputs(feeds)
         """Batch inputs no graph of the step reads: not copied before a replay (their static
         buffers keep the capture's values, which nothing reads)."""
@@ -239,8 +247,8 @@ class GraphRunner:
         finally:
             self.host_slot.end()
 
-    def _feed(self, feeds: list[HostFeed], host: HostMetadata | None) -> list[dict] | None:
-        return feed_replay(feeds, host, self.debug)
+    def _feed(self, captured: _Captured, host: HostMetadata | None) -> list[dict] | None:
+        return feed_replay(captured.feeds, captured.runs, host, self.debug)
 
     @staticmethod
     def _padded(batch: ForwardBatch, bucket: int,
@@ -290,8 +298,8 @@ class GraphRunner:
         if template.host is not None:
             inputs.host = HostMetadata.empty_like(template.host, width).padded(bucket, tokens_per_row).bind(*inputs.args())
         graph, output = self.graphs.capture(lambda: self._run(inputs))
-        feeds = list(self.host_slot.fed) if self.host_slot is not None else []
-        captured = _Captured(graph, inputs, output, self._addresses(inputs), feeds)
+        feeds, runs = (list(self.host_slot.fed), list(self.host_slot.runs)) if self.host_slot is not None else ([], [])
+        captured = _Captured(graph, inputs, output, self._addresses(inputs), feeds, runs)
         self.captured[(bucket, tokens_per_row, width)] = captured
         log.info("captured a graph for bucket %d x %d tokens", bucket, tokens_per_row)
         return captured
@@ -344,7 +352,7 @@ class GraphRunner:
         self._copy_inputs(captured, fresh)
         if self.debug:  # the graph's own debug checks ran at capture only: they cannot read the device there
             self._check_inputs(captured, fresh)
-        updates = self._feed(captured.feeds, host)
+        updates = self._feed(captured, host)
         self.h2d_last_step[FEEDS] = sum(feed.h2d_bytes for feed in captured.feeds)
         self.graphs.replay(captured.graph, updates)
         if self.debug and updates is not None and self.graphs.applied(captured.graph) != updates:

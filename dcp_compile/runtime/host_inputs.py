@@ -11,7 +11,10 @@ feed is handed the step's host metadata (runtime/host_metadata.py):
   ints; a tensor (the block table) is copied into a device buffer the feed owns and never moves,
   so a captured graph reads this step's table when it is replayed;
 - `graph_updates(host)`: the host values an NPU graph bakes in at capture (a kernel's host
-  lengths, by argument name), for `NPUGraph.update` before a replay;
+  lengths, by argument name), one entry per such kernel call of the graph, for `NPUGraph.update`
+  before a replay. A device graph captured of a step records the calls of every graph the step
+  ran, run after run (a compile region's graph once per call of the region), and takes one entry
+  per recorded call in that order: the step's `HostSlot.runs` lays them out;
 - `unread_inputs()`: the batch inputs (ForwardBatch fields, by the `BATCH_INPUT` mark the
   lowering puts on their placeholders) that the lowered graph does not read: a graph runner does
   not copy them before a replay.
@@ -311,7 +314,8 @@ class HostFeed:
                 for node, value in zip(self.placeholders, self.values(self.fed))]
 
     def graph_updates(self, host: RankHostMetadata) -> list[dict] | None:
-        """What a captured NPU graph must be told before a replay (None: nothing)."""
+        """What a captured NPU graph must be told before a replay, for one run of this graph: an
+        entry per kernel call that bakes in host values, in graph order (None: nothing)."""
         return None
 
     def check_fed(self, host: RankHostMetadata) -> None:
@@ -337,9 +341,18 @@ class HostSlot:
         self.dcp_rank = dcp_rank
         self.current: HostMetadata | None = None
         self.fed: list[HostFeed] = []
+        self.runs: list[HostFeed] = []
+        """The feed of every graph run of the step, in the order they ran: a compile region's once
+        per call of the region (a step of a dense layer and then MoE layers runs the dense kind's
+        graph, then the MoE kind's, again and again). A device graph captured of the step recorded
+        their kernels in this order, and takes their `graph_updates` so laid out."""
 
     def begin(self, host: HostMetadata | None) -> None:
-        self.current, self.fed = host, []
+        self.current, self.fed, self.runs = host, [], []
+
+    def ran(self, feed: HostFeed) -> None:
+        """`feed`'s graph runs now, in the current step (called at each run, as it starts)."""
+        self.runs.append(feed)
 
     def end(self) -> None:
         self.current = None

@@ -55,13 +55,18 @@ GRAPH_CASES = [
     # layer's split KV parts, the batch's metadata computed once outside the region.
     dict(mode="verify", draft_len=7, dcp_size=2, tp_size=2, batch=4, contexts=(1, 5, 40, 20), steps=3, seed=14,
          interleave=16, graphs=True, regions=True),
+    # Two kinds of MLA layer, each a compile region: a dense layer, then two MoE ones (DeepSeek-V3,
+    # Kimi-K2), so three FIA calls a graph, each updated before every replay (one update per kind
+    # of region failed the first replay).
+    dict(model="tiny-512-moe", dcp_size=2, tp_size=2, batch=3, contexts=(1, 17, 40), steps=3, seed=18, graphs=True,
+         regions=True),
 ]
 
 
 def case_id(case: dict) -> str:
     return (f"{case.get('mode', 'decode')}-k{case.get('draft_len', 1)}-tp{case['tp_size']}-dcp{case['dcp_size']}"
             f"-I{case.get('interleave', 1)}" + ("-graphs" if case.get("graphs") else "")
-            + ("-regions" if case.get("regions") else "")
+            + ("-regions" if case.get("regions") else "") + (f"-{case['model']}" if "model" in case else "")
             + "".join(f"-{value}" for _, value in case.get("options", ())))
 
 
@@ -80,14 +85,14 @@ def check_matches_dcp_size_one(scenario: Scenario, result: dict) -> None:
     assert 0 < result["graphs_captured"] <= result["graph_keys"]
 
 
-NPU_SCENARIOS = [dict(**case, **NPU) for case in CASES + MATRIX_CASES + GRAPH_CASES]
+NPU_SCENARIOS = [{**NPU, **case} for case in CASES + MATRIX_CASES + GRAPH_CASES]
 """Run by tests/conftest.py, in one spawn per TP size with the other modules' cases."""
 
 
 @pytest.mark.parametrize("case", CASES + [pytest.param(case, marks=pytest.mark.matrix) for case in MATRIX_CASES],
                          ids=case_id)
 def test_npu_lowering_matches_dcp_size_one(case, npu_scenario_results):
-    scenario = Scenario(**case, **NPU)
+    scenario = Scenario(**{**NPU, **case})
     result = npu_scenario_results[scenario]
     check_matches_dcp_size_one(scenario, result)
     assert result["graph_replays"] == 0
@@ -98,7 +103,7 @@ def test_npu_lowering_matches_dcp_size_one(case, npu_scenario_results):
 
 @pytest.mark.parametrize("case", GRAPH_CASES, ids=case_id)
 def test_npu_graph_replays_match_dcp_size_one(case, npu_scenario_results):
-    scenario = Scenario(**case, **NPU)
+    scenario = Scenario(**{**NPU, **case})
     result = npu_scenario_results[scenario]
     check_matches_dcp_size_one(scenario, result)
     assert result["graph_replays"] == scenario.steps  # every decode / verify step replayed a graph

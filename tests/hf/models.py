@@ -72,7 +72,7 @@ def config(family: str = "v3", **overrides):
     accepted = set(inspect.signature(config_class.__init__).parameters)
     family_fields = HYBRID if family == "kimi-linear" else {}
     fields = {k: v for k, v in {**TINY, **family_fields, **overrides}.items()
-              if k in accepted or k == "attn_implementation"}
+              if k in accepted or k in ("attn_implementation", "experts_implementation")}
     if "n_group" in accepted:
         fields.setdefault("n_group", 1)
         fields.setdefault("topk_group", 1)

@@ -10,10 +10,13 @@ Two back ends, in one launch:
 - kernels='triton' in fp32 at DCP 2, its kernels under the Triton interpreter as triton-ascend
   would run them there: transformers' tokens, logits within 1e-5.
 
-Dense layers (transformers' MoE counts tokens with histc on integers, which has no CPU kernel, and
-the emulator runs CPU kernels). Batches of 2 and 1 rows, a left-padded batch of prompts of 1, 7
-and 20 tokens, and a second batch of 2 rows that replays the graph captured for the first; every
-decode step replayed, one graph per batch size.
+Dense layers (transformers' default MoE experts count tokens with histc on integers, which has no
+CPU kernel, and the emulator runs CPU kernels). Batches of 2 and 1 rows, a left-padded batch of
+prompts of 1, 7 and 20 tokens, and a second batch of 2 rows that replays the graph captured for the
+first; every decode step replayed, one graph per batch size.
+
+And kernels='npu' at DCP 2 with compile regions (apply(regions=True)) on a dense layer, then two
+MoE ones (experts batched_mm): two kinds of region, three FIA calls a captured graph.
 """
 
 from __future__ import annotations
@@ -168,11 +171,36 @@ def _kda(cache) -> list:
     return [layer for layer in cache.layers if isinstance(layer, LinearAttentionLayer)]
 
 
+def rank_regions(rank: int, world: int) -> dict:
+    """DeepSeek-V3 tiny with FIA's widths in bf16, a dense layer then two MoE ones, each a compile
+    region, at DCP 2 with its decode steps replayed: near-tie agreement with transformers (whose
+    tokens the same model gives at dcp_size 1: tests/hf/test_regions.py), and the updates each
+    replay pushed (one per FIA call)."""
+    import dcp_compile
+    from tests.hf.models import agree_near_ties, prompt, tiny_model
+
+    device = torch.device("npu", torch.npu.current_device())
+    reference = tiny_model(num_hidden_layers=3, first_k_dense_replace=1, experts_implementation="batched_mm",
+                           **FIA_WIDTHS).to(torch.bfloat16)
+    model = dcp_compile.apply(copy.deepcopy(reference).to(device), dcp_size=world, kernels="npu", regions=True,
+                              block_size=FIA_BLOCK, kv_capacity=1024)
+    model.capture_decode_graphs(batch_sizes=(2,), max_length=64)
+    _, got, want = _generate_both(model, device, reference, prompt(), {})
+    try:
+        near_tie = ("ok", agree_near_ties(got, want, BF16_LOGITS))
+    except AssertionError as exc:
+        near_tie = ("failed", repr(exc))
+    graphs = model.decode_graphs
+    return dict(tokens_equal=bool(torch.equal(got[0], want[0])), near_tie=near_tie, replays=graphs.replays,
+                updates=[len(graphs.graphs.applied(captured.graph)) for captured in graphs.captured.values()])
+
+
 def rank_runs(rank: int, world: int) -> dict:
     """Every case in one launch."""
     from tests.hf.models import available
 
     runs = {case: rank_generates(rank, world, *case) for case in CASES}
+    runs["regions"] = rank_regions(rank, world)
     runs["hybrid"] = rank_hybrid(rank, world) if available("kimi-linear") else None
     return runs
 
@@ -260,6 +288,17 @@ def test_a_hybrid_model_replays_its_decode_steps_with_transformers_tokens(ranks)
         assert run["state_kept"]
         # Every aten op of its generate() (the KDA layers' included) one torch_npu runs on the device.
         assert run["off_device"] == {"off_device": {}, "syncing": {}}, run["off_device"]
+
+
+def test_regions_of_two_kinds_of_layer_replay_their_decode_steps_at_dcp_two(ranks):
+    """A dense layer and two MoE ones, each a compile region (two kinds), at DCP 2: every decode
+    step replayed, each replay pushing one update per FIA call (three), and the tokens agree with
+    transformers' under the near-tie rule. One update per kind of region failed the first replay
+    ("cpu_update_input has 2 entries, the graph recorded 3 updatable calls")."""
+    for rank in ranks:
+        run = rank["regions"]
+        assert run["near_tie"][0] == "ok", run
+        assert run["replays"] == NEW_TOKENS - 1 and run["updates"] == [3], run
 
 
 def test_triton_compiles_one_graph_per_kind_of_step(ranks):

@@ -9,9 +9,13 @@ fails when its fix is undone:
    recorded after it) before NPUGraph.update (runtime/graph_runner.py).
 4. Debug checks read the device inside a capture: the check ops skip while capturing
    (ops/internal.py), and a GraphRunner in debug mode checks the batch between replays.
+5. Compile regions of two kinds of MLA layer (a dense first layer, then MoE ones: DeepSeek-V3,
+   Kimi-K2) failed at the first replay: the graph recorded one FIA call a layer and was sent one
+   update a kind of region. The step's feeds now give one update per graph run, in the order the
+   step ran them (runtime/host_inputs.HostSlot.runs).
 
 Numbers are compared with the torch reference (1) or with eager calls of an identical model fed
-the same steps (2-4); batches mix lengths (1, below and across a page of 16) and carry padded rows.
+the same steps (2-5); batches mix lengths (1, below and across a page of 16) and carry padded rows.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 import dcp_compile
 from dcp_compile.harness.scenario import half_precision_tolerance
+from dcp_compile.models.config import preset
 from dcp_compile.models.mla import MLAModel
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.batch import RequestTable
@@ -41,8 +46,9 @@ PROMPTS = [[3] * 15, [4] * 31, [5], [6] * 40]
 """Request 0 crosses a page of 16 on its second decode step, request 1 (31 tokens) its first."""
 
 
-def npu_model(kernels="npu", device=NPU, cfg=CFG, **config):
-    model = MLAModel(cfg, CAPACITY, max_requests=4, dtype=torch.bfloat16, page_size=PAGE, device=device)
+def npu_model(kernels="npu", device=NPU, cfg=CFG, regions=False, **config):
+    model = MLAModel(cfg, CAPACITY, max_requests=4, dtype=torch.bfloat16, page_size=PAGE, device=device,
+                     regions=regions)
     return dcp_compile.apply(model, 1, kernels=kernels, **config)
 
 
@@ -185,3 +191,29 @@ def test_debug_checks_skip_inside_the_capture_and_the_runner_checks_between_repl
     eager_bad = dataclasses.replace(replayed.tables[1].extend_batch(requests, [[7]] * 3), positions=bad.positions)
     with pytest.raises(ValueError, match=r"positions must lie in \[0, seq_len\)"):
         replayed.eager(*eager_bad.to(NPU).args(), host_metadata=eager_bad.host)
+
+
+# --- 5. Compile regions of two kinds of MLA layer ----------------------------------------------
+
+
+def test_regions_of_two_kinds_of_layer_replay_with_one_fia_update_per_layer():
+    """tiny-512-moe: a dense MLA layer, then two MoE ones, each layer a compile region: two kinds
+    of region, one called once, the other twice, three FIA calls in the captured graph. Decode
+    steps replayed from NPU graphs give the logits of the same model without regions, run eagerly
+    on the same padded batches, and every replay pushes one update per FIA call (verify steps of
+    regions replayed: tests/distributed/test_npu_lowering.py). Revert (one update per kind of
+    region): the first replay raises the emulator's "cpu_update_input has 2 entries, the graph
+    recorded 3 updatable calls", as torch_npu's NPUGraph.update does (docs/ascend.md §9.3)."""
+    cfg = preset("tiny-512-moe")
+    regional, plain = npu_model(cfg=cfg, regions=True), npu_model(cfg=cfg)
+    tables = [new_table(), new_table()]
+    for model, table in zip((regional, plain), tables):
+        prefill(model, table)
+    runner = runner_for(regional)
+    requests = [0, 1, 2]
+    for step in range(3):  # request 0 (15 tokens) crosses a page at its second step
+        tokens = [[20 + step + r] for r in requests]
+        out = runner(tables[0].extend_batch(requests, tokens))
+        assert torch.equal(out.cpu(), eager_step(plain, tables[1], requests, tokens, 4).cpu()), f"decode step {step}"
+    (captured,) = runner.captured.values()
+    assert len(runner.graphs.applied(captured.graph)) == cfg.num_mla_layers

@@ -19,7 +19,10 @@ KV_LENGTH_KINDS = ("local_len", "local_prefix_len", "piece_prefix_len")
 class FIAFeed(HostFeed):
     """FIA's lengths and block table for each step. An NPU graph bakes FIA's host lists into the
     tiling it captures: `graph_updates` gives them for `NPUGraph.update(cpu_update_input=...)`,
-    one dict per FIA call in graph order, keyed by FIA's argument names (docs/ascend.md §9.3).
+    one dict per FIA call of this graph, in graph order, keyed by FIA's argument names
+    (docs/ascend.md §9.3). A compile region's graph runs once per call of the region; the step's
+    update list holds its dicts once per run, in the order the step ran its graphs
+    (runtime/host_inputs.HostSlot.runs).
 
     While the device captures, FIA is given KV lengths of at least 1: a graph runner captures on
     a fully padded batch, whose lengths are all 0, and FIA's tiling depends on how the lengths
