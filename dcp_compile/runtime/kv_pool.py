@@ -33,6 +33,13 @@ class KVLayout:
         """A part's contents as [rows, D], to inspect (a copy where the part is not row-major)."""
         return part
 
+    def reserved_rows(self, pool) -> int:
+        """Rows each part holds past the locations' rows of `pool` (its page size and shard): no
+        location maps to them and no read sees them, so a back end's KV write can aim there the
+        tokens it must not keep (another rank's, padding) where its vendor op takes no slot that
+        writes nothing. 0 for the packed layout, whose one tensor is the locations' rows."""
+        return 0
+
     def __eq__(self, other) -> bool:
         return type(self) is type(other) and vars(self) == vars(other)
 
@@ -51,6 +58,8 @@ class CapacityReport:
     dcp_size: int
     interleave: int
     rows_per_rank: int
+    reserved_rows_per_rank: int
+    """Rows a rank holds past the locations' rows (KVLayout.reserved_rows), in bytes_per_rank and rows_lost."""
     bytes_per_rank: int
     usable_locations: int
     unsharded_usable_locations: int
@@ -77,7 +86,8 @@ class MLAKVPool(nn.Module):
     live in two tensors, `parts(i)`; `cache(i)`, the tensor the model hands the canonical ops,
     then holds no memory of its own (a [rows, R + P] expansion of one element) and the back end's
     passes read and write the parts: a write into it fails, so nothing reaches the pool through
-    it unseen.
+    it unseen. A layout may hold reserved rows past the locations' rows in each part
+    (KVLayout.reserved_rows: `reserved_rows_per_rank`), which no location maps to.
     """
 
     def __init__(self, num_layers: int, capacity: int, kv_lora_rank: int, rope_dim: int,
@@ -112,7 +122,8 @@ class MLAKVPool(nn.Module):
 
     def _allocate(self, rows: int) -> None:
         self.rows_per_rank = rows
-        shapes = self.layout.part_shapes(rows, self.kv_lora_rank, self.rope_dim, self)
+        self.reserved_rows_per_rank = self.layout.reserved_rows(self)
+        shapes = self.layout.part_shapes(rows + self.reserved_rows_per_rank, self.kv_lora_rank, self.rope_dim, self)
         for i in range(self.num_layers):
             for name in (f"layer_{i}_latent", f"layer_{i}_rope"):
                 if hasattr(self, name):
@@ -150,10 +161,11 @@ class MLAKVPool(nn.Module):
         return getattr(self, f"layer_{layer}_latent"), getattr(self, f"layer_{layer}_rope")
 
     def rows(self, layer: int) -> torch.Tensor:
-        """A layer's [rows, R + P] contents, in any layout (a copy where the parts are separate), to inspect."""
+        """A layer's [rows, R + P] contents, the locations' rows in any layout (a copy where the
+        parts are separate; without the reserved rows), to inspect."""
         if self.layout.packed:
             return self.cache(layer)
-        return torch.cat([self.layout.part_rows(part) for part in self.parts(layer)], dim=-1)
+        return torch.cat([self.layout.part_rows(part) for part in self.parts(layer)], dim=-1)[:self.rows_per_rank]
 
     def storage(self) -> list[torch.Tensor]:
         """Every tensor that holds the pool's KV (what a captured graph reads and writes)."""
@@ -207,16 +219,18 @@ class MLAKVPool(nn.Module):
         usable = self.capacity - self.page_size
         per_row = self.row_dim * torch.empty((), dtype=self.dtype).element_size()
         unsharded_usable = self.rows_per_rank - self.page_size
+        allocated = self.rows_per_rank + self.reserved_rows_per_rank
         return CapacityReport(
             dcp_size=self.dcp_size,
             interleave=self.interleave,
             rows_per_rank=self.rows_per_rank,
-            bytes_per_rank=self.rows_per_rank * per_row * self.num_layers,
+            reserved_rows_per_rank=self.reserved_rows_per_rank,
+            bytes_per_rank=allocated * per_row * self.num_layers,
             usable_locations=usable,
             unsharded_usable_locations=unsharded_usable,
             # Rows of one page per rank: unsharded, the reserved page is all there is.
             capacity_ratio=usable / unsharded_usable if unsharded_usable > 0 else math.inf,
-            rows_lost=self.rows_per_rank * self.dcp_size - usable,
+            rows_lost=allocated * self.dcp_size - usable,
         )
 
 

@@ -20,9 +20,14 @@ Ops (their facts and sources: docs/ascend.md):
   [N, T, D]; the LSE keeps the input layout, §15.2).
 - Both take the paged latent and rope caches ND or NZ ([blocks, 1, D/16, 128, 16], §11.4; not with
   BNSD layouts, block size 128 only).
-- `npu_attention_update`: the LSE merge of §8.
+- `npu_attention_update`: the LSE merge of §8; with update_type 0 its second output is NaN (the op
+  leaves it undefined, §8.2).
 - `npu_scatter_pa_kv_cache`: writes each token's key and value into its slot of a paged cache,
-  ND ('Norm') or NZ ('PA_NZ'), 3-D keys only (§17).
+  ND ('Norm') or NZ ('PA_NZ'), 3-D keys only (§17). It raises on what the op's contract and the
+  kernels of the emulated SoC and CANN (`$DCP_COMPILE_NPU_EMULATOR_SOC`, `_CANN`) do not take where
+  a kernel would not check: a negative slot, an int64 slot_mapping for the 2025 A2/A3 ND kernel
+  (it reads int32), more tokens than the cache has slots (the A2/A3 tiling); a slot several tokens
+  write gets NaN (the op's result is undefined there).
 
 Kernel behaviours that callers rely on and that the stand-ins reproduce:
 - softmax_lse is the natural-log logsumexp of the scaled scores, fp32 (§2.3; fp32: §2.2).
@@ -42,6 +47,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import dataclasses
 from dataclasses import dataclass, fields
 from typing import Sequence
@@ -887,7 +893,8 @@ def _attention_update_kernel(lse, local_out, update_type):
     merged_lse = lse_max + torch.log(torch.exp(lses - lse_max).sum(dim=0))
     weights = torch.exp(lses - merged_lse).unsqueeze(-1)
     merged_out = (torch.stack(local_out).float() * weights).sum(dim=0)
-    # The real op leaves lse_out unspecified with update_type 0; the stand-in always fills it.
+    if update_type == 0:  # the op makes lse_out for update_type 1 only (§8.2): never read it
+        merged_lse = torch.full_like(merged_lse, math.nan)
     return merged_out.to(local_out[0].dtype), merged_lse
 
 
@@ -905,13 +912,30 @@ def _attention_update_fake(lse, local_out, update_type):
 
 SCATTER_CACHE_MODES = (None, "Norm", "PA_NZ")
 SLOT_DTYPES = (torch.int32, torch.int64)
+SLOTS_2026_CANN = (9, 0)
+"""The CANN (major, minor) taken to carry the 2026 scatter kernels, which template on the slot dtype
+(ops-transformer scatter_pa_kv_cache.cpp @ 1aaa6504); below it on A2/A3 the 2025 ND kernel reads the
+slots as int32 (scatter_pa_kv_cache_nd.h @ 3b632b4f). Which release ships which is not stated (§17):
+the line lowering/npu/versions.py draws for the 2026 FIA checks."""
+A2_A3_SOC_VERSIONS = (*range(220, 226), *range(250, 257))
+"""torch.npu.get_soc_version() of Atlas A2 (220-225) and A3 (250-256) (§18.1)."""
+
+
+def _kernel_reads_int32_slots(cache_mode) -> bool:
+    """Whether the emulated SoC and CANN run the 2025 A2/A3 ND kernel, which reads slot_mapping
+    through a GlobalTensor<int32_t> whatever its dtype (§17)."""
+    if cache_mode not in (None, "Norm") or torch.npu.get_soc_version() not in A2_A3_SOC_VERSIONS:
+        return False
+    cann = re.match(r"\s*(\d+)\.(\d+)", torch.npu.utils.get_cann_version() or "")
+    return cann is None or (int(cann.group(1)), int(cann.group(2))) < SLOTS_2026_CANN
 
 
 def validate_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, compress_lens=None,
                                  compress_seq_offsets=None, seq_lens=None, cache_mode="PA_NZ") -> tuple[int, int]:
     """The documented limits of the 3-D-key scenario (op-plugin docs/zh/custom_APIs/torch_npu/
-    torch_npu-npu_scatter_pa_kv_cache.md @ 517f2e7d, 约束说明); returns (block_size, NZ last
-    dim, 0 for ND). Slot values are checked by the kernel."""
+    torch_npu-npu_scatter_pa_kv_cache.md @ 517f2e7d, 约束说明) and the A2/A3 tiling's check of the
+    tokens against the cache's slots (ops-transformer scatter_pa_kv_cache_tiling.cpp @ 001b95e5);
+    returns (block_size, NZ last dim, 0 for ND). Slot values are checked by the kernel."""
     if compress_lens is not None or compress_seq_offsets is not None or seq_lens is not None:
         raise NotImplementedError("npu_scatter_pa_kv_cache stand-in: compress_lens, compress_seq_offsets and seq_lens "
                                   "(the compressed scenarios) are not implemented")
@@ -962,13 +986,22 @@ def validate_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mappin
     if expected[0] != expected[1]:
         raise ValueError(f"npu_scatter_pa_kv_cache: key_cache and value_cache differ in blocks or block size: "
                          f"{expected[0]} vs {expected[1]}")
-    return expected[0][1], last
+    blocks, block_size = expected[0]
+    if tokens > blocks * block_size:
+        raise ValueError(f"npu_scatter_pa_kv_cache: numBlocks * blockSize should larger than numTokens: {tokens} "
+                         f"tokens for {blocks} blocks of {block_size} (the A2/A3 tiling refuses the call; write them "
+                         "in calls of at most numBlocks * blockSize tokens)")
+    return block_size, last
 
 
 def _scatter_pa_kv_cache_kernel(key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,
                                 compress_seq_offsets=None, seq_lens=None, cache_mode="PA_NZ"):
     block_size, last = validate_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, compress_lens,
                                                     compress_seq_offsets, seq_lens, cache_mode)
+    if slot_mapping.dtype == torch.int64 and _kernel_reads_int32_slots(cache_mode):
+        raise ValueError("npu_scatter_pa_kv_cache: the 2025 A2/A3 ND kernel reads slot_mapping as int32 (token i reads "
+                         "the i-th 32-bit word of an int64 mapping: KV in wrong slots, no error); pass int32 slots "
+                         f"(emulated {torch.npu.get_device_name()}, CANN {torch.npu.utils.get_cann_version()})")
     # The kernel reads the slots on the device: the host views of the same bytes, so that the
     # stand-in itself is no host sync.
     host = torch.ops.dcp_npu_emulator.host_view
@@ -977,19 +1010,36 @@ def _scatter_pa_kv_cache_kernel(key, value, key_cache, value_cache, slot_mapping
     if bool((slots >= capacity).any()):
         raise ValueError(f"npu_scatter_pa_kv_cache: slot {int(slots.max())} is out of range: slots must be below "
                          f"num_blocks * block_size = {capacity}")
-    rows = (slots >= 0).nonzero().flatten()  # a negative slot (vLLM's PAD_SLOT_ID -1) writes nothing
-    kept = slots[rows]
-    if kept.unique().numel() != kept.numel():
-        raise ValueError("npu_scatter_pa_kv_cache: slot_mapping repeats a slot (the op's result is undefined then)")
-    blocks, offsets = kept // block_size, kept % block_size
+    if bool((slots < 0).any()):  # the A2/A3 kernels skip it; an A5 ND kernel writes before the cache (§17)
+        raise ValueError(f"npu_scatter_pa_kv_cache: slot {int(slots.min())} is negative: slots must lie in "
+                         f"[0, num_blocks * block_size - 1] = [0, {capacity - 1}]")
+    blocks, offsets = slots // block_size, slots % block_size
     for source, cache in ((key, key_cache), (value, value_cache)):
-        rows_in = host(source)[rows]
+        rows_in = host(source)
         target = host(cache)
         if not last:
             target[blocks, offsets] = rows_in
         else:
             target = target.view(target.shape[0], -1, block_size, last)  # the 5-D form is the same bytes
             target[blocks, :, offsets] = rows_in.reshape(rows_in.shape[0], target.shape[1], last)
+    _poison_repeated_slots(slots, block_size, last, host(key_cache), host(value_cache))
+
+
+def _poison_repeated_slots(slots, block_size: int, last: int, *caches) -> None:
+    """NaN into every slot that several tokens write: the op's result is undefined there ("重复时不保证
+    正确性", §17), so a read of such a slot shows in a test."""
+    values, counts = slots.unique(return_counts=True)
+    repeated = values[counts > 1]
+    if not repeated.numel():
+        return
+    blocks, offsets = repeated // block_size, repeated % block_size
+    for cache in caches:
+        if not cache.is_floating_point():
+            continue
+        if not last:
+            cache[blocks, offsets] = math.nan
+        else:
+            cache.view(cache.shape[0], -1, block_size, last)[blocks, :, offsets] = math.nan
 
 
 def _scatter_pa_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,

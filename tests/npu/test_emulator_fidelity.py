@@ -209,11 +209,10 @@ def _scatter_inputs(dtype=torch.float16, tokens=4, heads=2, k_size=32, v_size=16
 
 
 def _golden(key, value, key_cache, value_cache, slots, block_size, last):
-    """The op-plugin test's golden (test/test_custom_ops/test_scatter_pa_kv_cache.py @ 517f2e7d)."""
+    """The op-plugin test's golden (test/test_custom_ops/test_scatter_pa_kv_cache.py @ 517f2e7d), for
+    slots inside the op's contract (its skip of slot < 0 serves a slot the contract excludes)."""
     key_cache, value_cache = key_cache.clone(), value_cache.clone()
     for i, slot in enumerate(slots.tolist()):
-        if slot < 0:
-            continue
         block, offset = slot // block_size, slot % block_size
         if not last:
             key_cache[block][offset], value_cache[block][offset] = key[i], value[i]
@@ -226,7 +225,9 @@ def _golden(key, value, key_cache, value_cache, slots, block_size, last):
 
 @pytest.mark.parametrize("cache_mode", ["Norm", None, "PA_NZ"])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
-def test_scatter_pa_kv_cache_writes_each_token_to_its_slot_and_skips_negative_slots(cache_mode, slot_dtype):
+def test_scatter_pa_kv_cache_writes_each_token_to_its_slot(cache_mode, slot_dtype):
+    """int64 slots on the emulator's default CANN (9.0.0: the 2026 kernels); the 2025 A2/A3 ND
+    kernel's int32 read: tests/npu/test_kv_write_contract.py."""
     from dcp_compile.lowering import npu as npu_lowering
 
     npu_lowering.ensure_ops()
@@ -239,7 +240,7 @@ def test_scatter_pa_kv_cache_writes_each_token_to_its_slot_and_skips_negative_sl
     else:
         key_cache = torch.zeros(blocks, block_size, heads, 32, dtype=torch.float16)
         value_cache = torch.zeros(blocks, block_size, heads, 16, dtype=torch.float16)
-    slots = torch.tensor([17, -1, 0, 47], dtype=slot_dtype)
+    slots = torch.tensor([17, 30, 0, 47], dtype=slot_dtype)
     expected = _golden(key, value, key_cache, value_cache, slots, block_size, last)
     on_device = [t.to(NPU) for t in (key, value, key_cache, value_cache, slots)]
     npu_emulator.reset_host_syncs()
@@ -262,8 +263,23 @@ def test_scatter_pa_kv_cache_takes_the_5d_nz_cache():
     assert torch.equal(value5.cpu().reshape(2, 4, 16, 16), expected[1])
 
 
+def test_scatter_pa_kv_cache_leaves_a_slot_several_tokens_write_undefined():
+    """The op's result there is undefined (its doc: "重复时不保证正确性"): NaN, so a read of it shows."""
+    from dcp_compile.lowering import npu as npu_lowering
+
+    npu_lowering.ensure_ops()
+    key, value = _scatter_inputs()
+    caches = [torch.zeros(2, 16, 2, size, dtype=torch.float16, device=NPU) for size in (32, 16)]
+    torch.ops.npu.npu_scatter_pa_kv_cache(key.to(NPU), value.to(NPU), *caches,
+                                          torch.tensor([1, 5, 5, 5], dtype=torch.int32, device=NPU), cache_mode="Norm")
+    for cache, source in zip(caches, (key, value)):
+        rows = cache.cpu().view(32, 2, -1)
+        assert torch.isnan(rows[5]).all() and torch.equal(rows[1], source[0])
+
+
 @pytest.mark.parametrize("case, error, match", [
-    ("duplicate", ValueError, "repeats a slot"),
+    ("negative", ValueError, "slot -1 is negative"),
+    ("tokens", ValueError, r"numBlocks \* blockSize should larger than numTokens"),
     ("out of range", ValueError, "out of range"),
     ("slot dtype", ValueError, "int32 or int64"),
     ("cache dtype", ValueError, "share a dtype"),
@@ -281,8 +297,11 @@ def test_scatter_pa_kv_cache_enforces_the_documented_limits(case, error, match):
     value_cache = torch.zeros(2, 16, 2, 16, dtype=torch.float16)
     slots = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
     kwargs = {"cache_mode": "Norm"}
-    if case == "duplicate":
-        slots = torch.tensor([1, 2, 2, -1], dtype=torch.int32)
+    if case == "negative":
+        slots = torch.tensor([1, 2, 3, -1], dtype=torch.int32)
+    elif case == "tokens":
+        key_cache, value_cache = key_cache[:, :1].clone(), value_cache[:, :1].clone()  # 2 blocks of 1 slot: 4 tokens
+        slots = torch.tensor([0, 1, 0, 1], dtype=torch.int32)
     elif case == "out of range":
         slots = torch.tensor([1, 2, 3, 32], dtype=torch.int32)
     elif case == "slot dtype":

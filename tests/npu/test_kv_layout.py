@@ -42,7 +42,8 @@ def test_fia_reads_the_split_pool_without_a_copy_and_it_holds_the_same_kv():
     for layer in range(pool.num_layers):
         latent, rope = pool.parts(layer)
         assert latent.is_contiguous() and rope.is_contiguous() and latent.device.type == "npu"
-        assert latent.shape == (pool.rows_per_rank, 512) and rope.shape == (pool.rows_per_rank, 64)
+        allocated = pool.rows_per_rank + pool.reserved_rows_per_rank  # the native write's reserved block
+        assert pool.reserved_rows_per_rank == 16 and latent.shape == (allocated, 512) and rope.shape == (allocated, 64)
         assert pool.cache(layer).stride() == (0, 0)  # the canonical ops' cache holds no memory
     packed = _run("cpu", "torch")  # the same model and batches, packed rows, torch reference kernels
     assert packed.layout.packed

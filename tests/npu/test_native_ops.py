@@ -44,26 +44,37 @@ def _batch(query_lens, prefix_lens, dcp_size, interleave, page, seed=0):
 
 @pytest.mark.parametrize("dcp_size, interleave", [(1, 1), (2, 1), (4, 1), (2, 16)])
 def test_slot_mapping_is_the_local_row_of_owned_locations(dcp_size, interleave):
+    """int32 slots: the local row of an owned location, else the reserved row `rows` (never -1)."""
     loc = torch.tensor([0, 1, 2, 3, 17, 31, 32, 33, 64, 127])
     rows = 128 // dcp_size
     for rank in range(dcp_size):
         slots = native_ops.SLOT_MAPPING(loc.to(NPU), rows, rank, dcp_size, interleave).cpu()
         owned = (layout.owner(loc, dcp_size, interleave) == rank) & (loc != 0)
-        expected = torch.where(owned, layout.local_row(loc, dcp_size, interleave), -1)
-        assert torch.equal(slots, expected)
-    assert sum(int((native_ops.SLOT_MAPPING(loc, rows, r, dcp_size, interleave) >= 0).sum()) for r in range(dcp_size)) \
+        expected = torch.where(owned, layout.local_row(loc, dcp_size, interleave), rows).int()
+        assert slots.dtype == torch.int32 and torch.equal(slots, expected)
+    assert sum(int((native_ops.SLOT_MAPPING(loc, rows, r, dcp_size, interleave) < rows).sum()) for r in range(dcp_size)) \
         == int((loc != 0).sum())  # every real location has exactly one owner
 
 
-def test_slot_mapping_drops_a_location_outside_the_pool_and_flags_it():
+def test_slot_mapping_sends_a_location_outside_the_pool_to_the_reserved_row_and_flags_it():
     flags = guards.error_flags(torch.device(NPU, 0))
     flags.zero_()
     slots = native_ops.SLOT_MAPPING(torch.tensor([5, 400, -3], device=NPU), 64, 1, 2, 1).cpu()
-    assert slots.tolist() == [2, -1, -1]
+    assert slots.tolist() == [2, 64, 64]
     assert int(flags[guards.INDEX["write_location"]].cpu()) == 1
     flags.zero_()
     with pytest.raises(IndexError, match="outside the pool"):
         native_ops.SLOT_MAPPING(torch.tensor([5, 400]), 64, 1, 2, 1)
+
+
+def _parts(rows: int, block: int, kv_format: str, fill: float = 0.0):
+    """A layer's parts as the native layout holds them: the locations' rows and the reserved block."""
+    parts = [torch.full((rows + block, dim), fill, dtype=torch.bfloat16) for dim in (R, P)]
+    return [nz.from_rows(part, block) for part in parts] if kv_format == "nz" else parts
+
+
+def _location_rows(part: torch.Tensor, rows: int) -> torch.Tensor:
+    return (nz.to_rows(part) if nz.is_nz(part) else part)[:rows]
 
 
 @pytest.mark.parametrize("kv_format", ["nd", "nz"])
@@ -76,14 +87,13 @@ def test_native_kv_write_equals_the_reference_writer(kv_format, dcp_size):
     rope = torch.randn(loc.shape[0], P, generator=generator).bfloat16()
     for rank in range(dcp_size):
         expected_latent, expected_rope = torch.zeros(rows, R, dtype=torch.bfloat16), torch.zeros(rows, P, dtype=torch.bfloat16)
-        if kv_format == "nz":
-            expected_latent, expected_rope = nz.from_rows(expected_latent, block), nz.from_rows(expected_rope, block)
         reference.kv_write(expected_latent, latent, rope, loc, rank, dcp_size, 1, rope_cache=expected_rope)
-        cache_latent, cache_rope = torch.zeros_like(expected_latent, device=NPU), torch.zeros_like(expected_rope, device=NPU)
+        cache_latent, cache_rope = (part.to(NPU) for part in _parts(rows, block, kv_format))
         slots = native_ops.SLOT_MAPPING(loc.to(NPU), rows, rank, dcp_size, 1)
         native_ops.SCATTER_KV_CACHE(cache_latent, latent.to(NPU), rope.to(NPU), slots, block, cache_rope)
-        assert torch.equal(cache_latent.cpu(), expected_latent) and torch.equal(cache_rope.cpu(), expected_rope)
-        assert int(cache_latent.cpu().count_nonzero()) > 0  # each rank owns some of the locations
+        assert torch.equal(_location_rows(cache_latent.cpu(), rows), expected_latent)
+        assert torch.equal(_location_rows(cache_rope.cpu(), rows), expected_rope)
+        assert int(expected_latent.count_nonzero()) > 0  # each rank owns some of the locations
 
 
 @pytest.mark.parametrize("dcp_size", [1, 2, 4])
@@ -111,7 +121,7 @@ def test_step_window_equals_window_attention_over_the_page_table(dcp_size):
                                               key_positions, ids, positions, scale, 16)
         slots = native_ops.SLOT_MAPPING(out_loc.to(NPU), rows_per_rank, rank, dcp_size, 1)
         got = native_ops.STEP_WINDOW(*(t.to(NPU) for t in (out_prefix, lse_prefix, q_latent, q_rope, latent, rope)),
-                                     slots, ids.to(NPU), positions.to(NPU), scale, 16)
+                                     slots, rows_per_rank, ids.to(NPU), positions.to(NPU), scale, 16)
         torch.testing.assert_close(got[0].cpu().float(), expected[0].float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got[1].cpu(), expected[1], atol=1e-4, rtol=1e-4)
 
@@ -128,13 +138,13 @@ def test_key_counts_and_mask_equal_the_page_table_versions(dcp_size):
         valid = torch.arange(table.shape[1])[None, :] < local_lens[:, None]
         prefix = (valid & (key_positions < first[:, None])).sum(dim=1)
         slots = native_ops.SLOT_MAPPING(out_loc.to(NPU), 4096, rank, dcp_size, 1)
-        counts = native_ops.STEP_KEY_COUNTS(prefix.to(NPU), slots, ids.to(NPU), positions.to(NPU), 16)
+        counts = native_ops.STEP_KEY_COUNTS(prefix.to(NPU), slots, 4096, ids.to(NPU), positions.to(NPU), 16)
         expected_mask, expected_visible = npu_ops.rank_causal_mask(key_positions, local_lens, positions, width)
         assert torch.equal(counts.cpu(), expected_visible)
         assert torch.equal(native_ops.STEP_CAUSAL_MASK(counts, rows, width).cpu(), expected_mask)
-        decode_counts = native_ops.STEP_KEY_COUNTS(prefix.to(NPU), slots, ids.to(NPU), positions.to(NPU), 1)
+        decode_counts = native_ops.STEP_KEY_COUNTS(prefix.to(NPU), slots, 4096, ids.to(NPU), positions.to(NPU), 1)
         prefix_of_token = prefix[ids]
-        assert torch.equal(decode_counts.cpu(), prefix_of_token + (slots.cpu() >= 0).long())
+        assert torch.equal(decode_counts.cpu(), prefix_of_token + (slots.cpu() < 4096).long())
 
 
 def test_dense_partial_attention_equals_the_reference():
@@ -172,15 +182,24 @@ def test_guard_tokens_equals_guard_batch_and_flags_alike():
 
 
 @pytest.mark.parametrize("kv_format", ["nd", "nz"])
-def test_a_kv_write_of_tokens_this_rank_does_not_own_writes_nothing(kv_format):
-    """Every slot -1 (a step whose tokens all live on other ranks, or padding only)."""
+def test_a_kv_write_of_tokens_this_rank_does_not_own_writes_no_location_row(kv_format):
+    """Every slot the reserved row (a step whose tokens all live on other ranks, or padding only)."""
     block, rows = 128, 256
-    latent_part, rope_part = torch.ones(rows, R, dtype=torch.bfloat16), torch.ones(rows, P, dtype=torch.bfloat16)
-    if kv_format == "nz":
-        latent_part, rope_part = nz.from_rows(latent_part, block), nz.from_rows(rope_part, block)
+    latent_part, rope_part = _parts(rows, block, kv_format, fill=1.0)
     cache_latent, cache_rope = latent_part.to(NPU), rope_part.to(NPU)
     slots = native_ops.SLOT_MAPPING(torch.tensor([0, 1, 3], device=NPU), rows, 0, 2, 1)
-    assert slots.cpu().tolist() == [-1, -1, -1]
+    assert slots.cpu().tolist() == [rows] * 3
     native_ops.SCATTER_KV_CACHE(cache_latent, torch.zeros(3, R, dtype=torch.bfloat16, device=NPU),
                                 torch.zeros(3, P, dtype=torch.bfloat16, device=NPU), slots, block, cache_rope)
-    assert torch.equal(cache_latent.cpu(), latent_part) and torch.equal(cache_rope.cpu(), rope_part)
+    for got, part in ((cache_latent, latent_part), (cache_rope, rope_part)):
+        assert torch.equal(_location_rows(got.cpu(), rows), _location_rows(part, rows))
+
+
+def test_the_kv_write_ops_pass_opcheck():
+    """The slot mapping's fake gives its int32 slots; the write declares what it mutates."""
+    loc = torch.tensor([0, 1, 2, 3, 130], device=NPU)
+    torch.library.opcheck(native_ops.SLOT_MAPPING, (loc, 256, 0, 2, 1))
+    parts = [part.to(NPU) for part in _parts(256, 128, "nd")]
+    latent, rope = torch.randn(5, R).bfloat16().to(NPU), torch.randn(5, P).bfloat16().to(NPU)
+    torch.library.opcheck(native_ops.SCATTER_KV_CACHE,
+                          (parts[0], latent, rope, native_ops.SLOT_MAPPING(loc, 256, 0, 2, 1), 128, parts[1]))

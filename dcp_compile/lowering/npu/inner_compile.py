@@ -10,6 +10,11 @@ reduce-overhead). FIA's `actual_seq_lengths_kv` entries reach it as symbolic gra
 `torchair_missing` is the one check that it can run here: NPULowering.unsupported_reasons gives
 it when a model is applied (and the demo's parent, before any rank starts), so a missing torchair
 is refused up front, not at the first step's compile.
+
+torchair's graphs are its own NPU graphs: called inside another capture (the runtime's GraphRunner
+with NPUGraphs, a front end's capture_decode_graphs) they would be captured twice, a nested
+capture, so `outside_device_graphs` refuses that call. vllm-ascend, which captures with its own
+graph wrapper, runs torchair / npugraph_ex eagerly under it (docs/ascend.md §9.1).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from dcp_compile.lowering.npu.options import TORCHAIR_MODES
-from dcp_compile.runtime.devices import emulated_npu, require_torch_npu, torch_npu_installed
+from dcp_compile.runtime.devices import capturing, emulated_npu, require_torch_npu, torch_npu_installed
+from dcp_compile.runtime.failure import agreed
 
 USE_EAGER = "use inner_compile='eager' (--inner-compile eager), which runs the same graph without an NPU graph"
 
@@ -60,3 +66,28 @@ def torchair_compiler(mode: str = "reduce-overhead"):
     config = torchair.CompilerConfig()
     config.mode = "reduce-overhead"
     return torchair.get_npu_backend(compiler_config=config)
+
+
+NESTED_CAPTURE = ("inner_compile='torchair' captures its own NPU graph (torchair's aclgraph), and this step runs inside "
+                  "another NPU graph capture (a GraphRunner with NPUGraphs, or capture_decode_graphs): a nested capture. "
+                  "Replay the runtime's NPU graphs over a model applied with inner_compile='eager', or call the torchair "
+                  "model directly (torchair replays its graphs itself)")
+
+
+def outside_device_graphs(compiler):
+    """`compiler` (a `(gm, example_inputs) -> callable` that captures NPU graphs itself) whose
+    compiled graphs raise NESTED_CAPTURE when called while the current stream captures: before
+    the graph runs, on every rank alike (the config decides it), so the error is agreed and the
+    model keeps serving its eager calls (runtime/failure.py)."""
+
+    def compile_graph(gm, example_inputs):
+        compiled = compiler(gm, example_inputs)
+
+        def run(*args):
+            if capturing(torch.device("npu")):
+                raise agreed(RuntimeError(NESTED_CAPTURE))
+            return compiled(*args)
+
+        return run
+
+    return compile_graph

@@ -1,7 +1,14 @@
-"""The NPU back end's NZ KV layout (npu_kv_format='nz'): a layer's latent and rope rows each in
-the NZ layout over the local blocks of the pages, [blocks, 1, D/16, block, 16] (ops/nz.py; FIA
-with an NZ cache, the Ascend A5 layout, docs/ascend.md §11.4, §15). FIA reads the two parts
-through `dcp_npu.nz_kv_blocks`, which the split_kv_cache pass replaces by the pool's tensors."""
+"""The NPU back end's KV layouts: split (a layer's latent and rope rows, two contiguous tensors,
+lowering/kv_layout.py) or NZ (npu_kv_format='nz': each part in the NZ layout over the local
+blocks of the pages, [blocks, 1, D/16, block, 16], ops/nz.py; FIA with an NZ cache, the Ascend A5
+layout, docs/ascend.md §11.4, §15). FIA reads NZ parts through `dcp_npu.nz_kv_blocks`, which the
+split_kv_cache pass replaces by the pool's tensors.
+
+Under npu_kernels='native' each part holds one local block more than the locations' rows: the
+reserved block, which no location maps to and no block table names. npu_scatter_pa_kv_cache
+writes every token it is handed at a slot in [0, blocks x block) (its contract: docs/ascend.md
+§17); the tokens a rank does not keep (another rank's, padding) go to the reserved block's first
+row (native_ops.slot_mapping), as SGLang's NPU pool writes padding to a dummy slot."""
 
 from __future__ import annotations
 
@@ -14,7 +21,23 @@ from dcp_compile.ops import nz
 from dcp_compile.runtime import layout
 
 
-class NZLayout(SplitLayout):
+class NPUSplitLayout(SplitLayout):
+    """The split layout, with the reserved block of the native KV write where `reserved_block`."""
+
+    def __init__(self, reserved_block: bool = False):
+        self.reserved_block = reserved_block
+
+    def reserved_rows(self, pool) -> int:
+        if not self.reserved_block:
+            return 0
+        return layout.require_local_block_size(pool.page_size, pool.dcp_size, pool.interleave,
+                                               "the native KV write's reserved block")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(reserved_block={self.reserved_block})"
+
+
+class NZLayout(NPUSplitLayout):
     name = "nz"
     row_major = False
 

@@ -173,9 +173,10 @@ class LowerNPUAttention(paged.PagedAttentionPass):
     def window(self, graph, site, out, lse, q_latent, q_rope, window):
         if not self._native:
             return super().window(graph, site, out, lse, q_latent, q_rope, window)
-        latent, rope, slots = native.step_tokens(graph, site.cache, self.config)
-        completed = call(graph, native_ops.STEP_WINDOW, out, lse, q_latent, q_rope, latent, rope, slots,
-                         self._pieces(site)["token_piece"], site.q_positions, site.sm_scale, window)
+        tokens = native.step_tokens(graph, site.cache, self.config)
+        completed = call(graph, native_ops.STEP_WINDOW, out, lse, q_latent, q_rope, tokens.latent, tokens.rope,
+                         tokens.slots, tokens.num_rows, self._pieces(site)["token_piece"], site.q_positions,
+                         site.sm_scale, window)
         return call(graph, operator.getitem, completed, 0), call(graph, operator.getitem, completed, 1)
 
     def split(self, config: PassConfig, site: sites.PoolAttention) -> bool:
@@ -210,8 +211,9 @@ class LowerNPUAttention(paged.PagedAttentionPass):
             pieces = self._pieces(site)
             return call(graph, aten.index_select.default, pieces["prefix_tensor"], 0, pieces["token_piece"])
         prefix = host.prefix_lens_tensor()
-        _, _, slots = native.step_tokens(graph, site.cache, self.config)
-        return call(graph, native_ops.STEP_KEY_COUNTS, prefix, slots, site.q_seq_ids, site.q_positions, 1)
+        tokens = native.step_tokens(graph, site.cache, self.config)
+        return call(graph, native_ops.STEP_KEY_COUNTS, prefix, tokens.slots, tokens.num_rows, site.q_seq_ids,
+                    site.q_positions, 1)
 
     @staticmethod
     def _unmaskable(site) -> bool:
@@ -224,9 +226,9 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         width = host.blocks * block_size  # FIA checks the mask's width against the paged capacity
         if width not in self._masks:
             if self._native:
-                _, _, slots = native.step_tokens(graph, site.cache, self.config)
-                counts = call(graph, native_ops.STEP_KEY_COUNTS, host.prefix_lens_tensor(), slots, site.q_seq_ids,
-                              site.q_positions, targets.WINDOW_QUERIES)
+                tokens = native.step_tokens(graph, site.cache, self.config)
+                counts = call(graph, native_ops.STEP_KEY_COUNTS, host.prefix_lens_tensor(), tokens.slots,
+                              tokens.num_rows, site.q_seq_ids, site.q_positions, targets.WINDOW_QUERIES)
                 rows = fake_value(site.req_to_token).shape[0]
                 self._masks[width] = (call(graph, native_ops.STEP_CAUSAL_MASK, counts, rows, width), counts)
             else:
@@ -243,6 +245,9 @@ class LowerNPUAttention(paged.PagedAttentionPass):
 
     @staticmethod
     def _paged_views(graph, site: sites.PoolAttention, block_size: int) -> tuple[fx.Node, fx.Node]:
+        """FIA's [blocks, block, D] views of the locations' rows of the cache's two parts: the
+        split layout's parts may hold a reserved block past them (kv_layout.py), which FIA is not
+        handed (a leading slice of a contiguous part: no copy)."""
         rows, row_dim = fake_value(site.cache).shape
         rank_dim = fake_value(site.q_latent).shape[-1]
         if rows % block_size:
@@ -250,14 +255,18 @@ class LowerNPUAttention(paged.PagedAttentionPass):
         blocks = rows // block_size
         latent = call(graph, aten.slice.Tensor, site.cache, 1, 0, rank_dim)
         rope = call(graph, aten.slice.Tensor, site.cache, 1, rank_dim, row_dim)
-        return (call(graph, aten.view.default, latent, [blocks, block_size, rank_dim]),
-                call(graph, aten.view.default, rope, [blocks, block_size, row_dim - rank_dim]))
+        return tuple(call(graph, aten.view.default, call(graph, aten.slice.Tensor, part, 0, 0, rows),
+                          [blocks, block_size, width])
+                     for part, width in ((latent, rank_dim), (rope, row_dim - rank_dim)))
 
     @staticmethod
     def _nz_views(graph, site: sites.PoolAttention, block_size: int) -> tuple[fx.Node, fx.Node]:
+        """The NZ parts' blocks of the locations' rows, without a reserved block past them."""
         rank_dim = fake_value(site.q_latent).shape[-1]
-        blocks = call(graph, npu_ops.NZ_KV_BLOCKS, site.cache, rank_dim, block_size)
-        return call(graph, operator.getitem, blocks, 0), call(graph, operator.getitem, blocks, 1)
+        parts = call(graph, npu_ops.NZ_KV_BLOCKS, site.cache, rank_dim, block_size)
+        blocks = fake_value(site.cache).shape[0] // block_size
+        return tuple(call(graph, aten.slice.Tensor, call(graph, operator.getitem, parts, i), 0, 0, blocks)
+                     for i in range(2))
 
     @staticmethod
     def _fia(graph, site, q_latent, q_rope, host: paged.HostPlaceholders, block_table, views, block_size: int,

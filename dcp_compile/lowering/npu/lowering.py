@@ -13,11 +13,11 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.lowering.base import POOL_STRATEGIES, Lowering
-from dcp_compile.lowering.kv_layout import SplitKVCache, SplitLayout
+from dcp_compile.lowering.kv_layout import SplitKVCache
 from dcp_compile.lowering.npu.feed import FIAFeed
 from dcp_compile.lowering.npu import inner_compile
 from dcp_compile.lowering.npu import native_ops, versions
-from dcp_compile.lowering.npu.kv_layout import PART_VIEWS, NZLayout
+from dcp_compile.lowering.npu.kv_layout import PART_VIEWS, NPUSplitLayout, NZLayout
 from dcp_compile.lowering.npu.native import LowerNativeKernels
 from dcp_compile.lowering.npu.lower_attention import (DEFAULT_BLOCK_SIZE, MAX_UPDATE_SHARDS, LowerNPUAttention,
                                                       fia_block_size, has_fia_v2, has_scatter_pa_kv_cache, padded_heads)
@@ -46,8 +46,10 @@ class NPULowering(Lowering):
 
     @property
     def kv_layout(self):
-        """Split, as FIA copies strided key views whole (docs/ascend.md §11.1); NZ where its options say."""
-        return NZLayout() if self.options.npu_kv_format == "nz" else SplitLayout()
+        """Split, as FIA copies strided key views whole (docs/ascend.md §11.1); NZ where its options
+        say; with the native KV write's reserved block (kv_layout.py) under npu_kernels='native'."""
+        native = self.options.npu_kernels == "native"
+        return NZLayout(native) if self.options.npu_kv_format == "nz" else NPUSplitLayout(native)
 
     def unsupported_reasons(self, pool, config, model=None) -> list[str]:
         if pool.device.type not in ("npu", "meta"):
@@ -128,7 +130,7 @@ class NPULowering(Lowering):
     def inner_compiler(self, name: str):
         if name != "torchair":
             return super().inner_compiler(name)
-        return inner_compile.torchair_compiler(self.options.torchair_mode)
+        return inner_compile.outside_device_graphs(inner_compile.torchair_compiler(self.options.torchair_mode))
 
     def step_options(self, host) -> NPUOptions | None:
         """npu_verify='mask' lowers a graph's rows to the masked FIA by its shape (T = B x S), which

@@ -1,7 +1,7 @@
 """Lower what is left of a graph after FIA to native NPU ops (npu_kernels='native'): no Triton.
 
     before: dcp.sharded_kv_write(cache, latent, rope, loc, r, N, I)      (dcp.kv_write at dcp_size 1)
-    after:  slots = dcp_npu.slot_mapping(loc, rows, r, N, I)              # local row, or -1
+    after:  slots = dcp_npu.slot_mapping(loc, rows, r, N, I)              # int32: local row, or `rows`
             dcp_npu.scatter_kv_cache(cache, latent, rope, slots, block)   # npu_scatter_pa_kv_cache over
                                                                           # the parts, "Norm" or "PA_NZ"
     before: table, lens, ids, loc = dcp.guard_batch(req_to_token, seq_lens, q_seq_ids, out_loc, capacity)
@@ -14,14 +14,18 @@
 
 The merge (npu_attention_update) and attention over the pool (FIA) are LowerNPUAttention's; the
 pack stays dcp.pack_partials, whose torch reference is aten ops torch_npu runs on the device.
-Assumes: LowerNPUAttention ran. Guarantees: no dcp_triton:: op; every KV write skips the tokens
-other ranks own (slot -1) and never writes location 0.
+Assumes: LowerNPUAttention ran; the pool holds the native layout's reserved block past the
+locations' rows (lowering/npu/kv_layout.py), which this pass checks. Guarantees: no dcp_triton:: op;
+every slot the vendor op gets is int32 and in [0, rows + block) (its contract, docs/ascend.md §17):
+the tokens other ranks own, and padding (location 0), write the reserved block's first row, `rows`,
+which no location maps to and no read sees; no location's row but the token's own is written.
 Why a pass: the kernels are the deployment's choice (docs/ascend.md §18 for the versions).
 """
 
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -31,6 +35,7 @@ from dcp_compile.lowering.npu.options import NPUOptions
 from dcp_compile.ops import nz, targets
 from dcp_compile.passes import sites
 from dcp_compile.passes.base import GraphPass, PassConfig
+from dcp_compile.passes.cache_use import POOL_INPUTS
 from dcp_compile.passes.graph_utils import call, fake_value, keeps_state, size_of
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.host_inputs import BATCH_INPUT, CAPTURE_SKIPPED
@@ -72,15 +77,43 @@ def as_cached(graph: fx.Graph, value: fx.Node, dtype: torch.dtype) -> fx.Node:
     return _find_or_make(graph, aten._to_copy.default, (value,), {"dtype": dtype, "memory_format": torch.contiguous_format})
 
 
-def step_tokens(graph: fx.Graph, cache: fx.Node, config: PassConfig) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """(latent, rope, slots) of this step's tokens written to `cache`: the graph's KV write of it."""
+class StepTokens(NamedTuple):
+    """This step's tokens as a layer's KV write hands them to its cache."""
+
+    latent: fx.Node
+    rope: fx.Node
+    slots: fx.Node
+    """int32 (dcp_npu.slot_mapping): below `num_rows` exactly the tokens this rank keeps."""
+    num_rows: int
+    """The cache's locations' rows (the reserved slot)."""
+
+
+def step_tokens(graph: fx.Graph, cache: fx.Node, config: PassConfig) -> StepTokens:
+    """This step's tokens written to `cache`: the graph's KV write of it."""
     write = _writes(graph).get(cache)
     if write is None:
         raise ValueError("npu_kernels='native' completes verify rows from this step's own tokens, but the graph "
                          "writes no KV to this cache: a model must write its KV before attention (dcp.kv_write)")
     dtype = fake_value(cache).dtype
     rows = nz.rows_of(fake_value(cache))
-    return as_cached(graph, write.latent, dtype), as_cached(graph, write.rope, dtype), slots(graph, write.loc, rows, config)
+    return StepTokens(as_cached(graph, write.latent, dtype), as_cached(graph, write.rope, dtype),
+                      slots(graph, write.loc, rows, config), rows)
+
+
+def check_reserved_block(gm: fx.GraphModule, rows: int, block: int, width: int) -> None:
+    """The pool bound to `gm` holds the reserved block the slots of `rows` aim at, and every slot
+    times the row width (`width` elements) fits int32: the A5 kernel multiplies the slot by it in
+    the slots' dtype (docs/ascend.md §17)."""
+    if POOL_INPUTS in gm.meta:
+        pool = gm.meta[POOL_INPUTS][0]
+        if pool.reserved_rows_per_rank < block:
+            raise ValueError(f"npu_kernels='native' writes the tokens a rank does not keep to a reserved block of "
+                             f"{block} rows past the locations' rows, and the KV pool's layout {pool.layout!r} holds "
+                             f"{pool.reserved_rows_per_rank}: hold the pool in NPULowering.kv_layout")
+    if (rows + block) * width > torch.iinfo(native_ops.SLOT_DTYPE).max:
+        raise ValueError(f"npu_kernels='native' passes int32 slots, which npu_scatter_pa_kv_cache multiplies by the "
+                         f"row width {width} (docs/ascend.md §17): a shard of {rows} rows and a reserved block of "
+                         f"{block} exceeds that; use a larger dcp_size or a smaller pool")
 
 
 class LowerNativeKernels(GraphPass):
@@ -94,21 +127,24 @@ class LowerNativeKernels(GraphPass):
 
     def run(self, gm: fx.GraphModule, config: PassConfig) -> int:
         graph = gm.graph
-        lowered = self._writes(graph, config) + self._attention(graph)
+        lowered = self._writes(gm, config) + self._attention(graph)
         graph.eliminate_dead_code(is_impure_node=keeps_state)
         return lowered + self._guards(graph)
 
     @staticmethod
-    def _writes(graph: fx.Graph, config: PassConfig) -> int:
+    def _writes(gm: fx.GraphModule, config: PassConfig) -> int:
+        graph = gm.graph
         writes = list(_writes(graph).values())
         if not writes:
             return 0
         block = layout.require_local_block_size(config.page_size, config.dcp_size, config.interleave,
                                                 "the native KV write (npu_scatter_pa_kv_cache's blocks)")
         for write in writes:
-            latent, rope, slot = step_tokens(graph, write.cache, config)
+            tokens = step_tokens(graph, write.cache, config)
+            check_reserved_block(gm, tokens.num_rows, block, fake_value(tokens.latent).shape[-1])
             with graph.inserting_before(write.node):
-                call(graph, native_ops.SCATTER_KV_CACHE, write.cache, latent, rope, slot, block, None)
+                call(graph, native_ops.SCATTER_KV_CACHE, write.cache, tokens.latent, tokens.rope, tokens.slots, block,
+                     None)
             graph.erase_node(write.node)
         return len(writes)
 

@@ -2,9 +2,11 @@
 on an NPU, written as aten ops that torch_npu runs on the device (op-plugin's table, with no CPU
 fallback: docs/ascend.md §16), so that an NPU graph needs no triton-ascend. Each has a fake.
 
-- `scatter_kv_cache`: the KV write, torch_npu.npu_scatter_pa_kv_cache over a layer's two parts;
-- `slot_mapping`: each token's local row on this rank, or -1 where another rank owns it (or it
-  pads): the slots `torch_npu.npu_scatter_pa_kv_cache` writes, skipping negative ones;
+- `scatter_kv_cache`: the KV write, torch_npu.npu_scatter_pa_kv_cache over a layer's two parts, in
+  calls of at most the cache's slots each (the A2/A3 tiling refuses more tokens than that);
+- `slot_mapping`: each token's int32 slot on this rank: its local row, or the reserved row where
+  another rank owns it (or it pads): never a negative slot, which the op's contract excludes
+  (docs/ascend.md §17);
 - `guard_tokens`: the batch guard without the page table (a native graph reads the KV through
   the host-fed block table, which the host checks, never through req_to_token);
 - `step_key_counts`: per query token, the local keys it sees among the row's keys before the step
@@ -29,9 +31,9 @@ from dcp_compile.ops import nz
 from dcp_compile.ops.reference import cache_rows, check_write_locations, merge_lse
 from dcp_compile.runtime import guards, layout
 
-NO_SLOT = -1
-"""A slot npu_scatter_pa_kv_cache skips (vLLM's PAD_SLOT_ID; op-plugin's test of the op skips
-slot < 0: docs/ascend.md §17)."""
+SLOT_DTYPE = torch.int32
+"""The slots' dtype, as the engines pass them: the 2025 A2/A3 ND kernel of npu_scatter_pa_kv_cache
+reads slot_mapping as int32 whatever its dtype (docs/ascend.md §17)."""
 
 
 def _flag(device: torch.device, name: str, bad: torch.Tensor) -> None:
@@ -40,9 +42,12 @@ def _flag(device: torch.device, name: str, bad: torch.Tensor) -> None:
 
 
 def slot_mapping(loc, num_rows: int, dcp_rank: int, dcp_size: int, interleave: int):
-    """Local row of each token's location on this rank; NO_SLOT where another rank owns it, where it
-    is location 0 (padding), or where it lies outside the pool (on a device: dropped, with the
-    write_location flag set; on the CPU: an IndexError)."""
+    """Each token's int32 slot on this rank, of a cache of `num_rows` locations' rows and the
+    reserved block past them (lowering/npu/kv_layout.py): the local row of its location where this
+    rank keeps it; `num_rows`, the reserved block's first row, which no location maps to and no read
+    sees, where another rank owns it, where it is location 0 (padding), or where it lies outside the
+    pool (on a device: with the write_location flag set; on the CPU: an IndexError). Slots below
+    `num_rows` are exactly this rank's own tokens."""
     capacity = layout.logical_capacity(num_rows, dcp_size, interleave)
     in_pool = (loc >= 0) & (loc < capacity)
     if loc.device.type == "cpu":
@@ -50,7 +55,7 @@ def slot_mapping(loc, num_rows: int, dcp_rank: int, dcp_size: int, interleave: i
     else:
         _flag(loc.device, "write_location", ~in_pool)
     keep = in_pool & (loc != layout.PADDING_LOC) & (layout.owner(loc, dcp_size, interleave) == dcp_rank)
-    return torch.where(keep, layout.local_row(loc, dcp_size, interleave), NO_SLOT)
+    return torch.where(keep, layout.local_row(loc, dcp_size, interleave), num_rows).to(SLOT_DTYPE)
 
 
 def guard_tokens(seq_lens, q_seq_ids, out_loc, width: int):
@@ -75,10 +80,10 @@ def guard_tokens(seq_lens, q_seq_ids, out_loc, width: int):
     return lens, ids, torch.where(padded, layout.PADDING_LOC, out_loc)
 
 
-def _candidates(q_seq_ids, q_positions, slots, window: int):
+def _candidates(q_seq_ids, q_positions, slots, num_rows: int, window: int):
     """[T, window] indices of the tokens up to `window` back from each token (itself last), and
     which of them are this rank's keys the token sees: same group (q_seq_ids: its row, or its
-    piece of a row), at or before its position, owned."""
+    piece of a row), at or before its position, owned (slot below `num_rows`: slot_mapping)."""
     tokens = q_seq_ids.shape[0]
     offsets = torch.arange(window, device=q_seq_ids.device) - (window - 1)
     candidates = torch.arange(tokens, device=q_seq_ids.device)[:, None] + offsets[None, :]
@@ -87,14 +92,15 @@ def _candidates(q_seq_ids, q_positions, slots, window: int):
     flat = index.reshape(-1)
     seen = (inside & (q_seq_ids.index_select(0, flat).view(tokens, window) == q_seq_ids[:, None])
             & (q_positions.index_select(0, flat).view(tokens, window) <= q_positions[:, None])
-            & (slots.index_select(0, flat).view(tokens, window) >= 0))
+            & (slots.index_select(0, flat).view(tokens, window) < num_rows))
     return index, seen
 
 
-def step_key_counts(prefix_lens, slots, q_seq_ids, q_positions, window: int):
+def step_key_counts(prefix_lens, slots, num_rows: int, q_seq_ids, q_positions, window: int):
     """Per query token: its row's local keys before the step (prefix_lens, host-fed) plus this
-    step's tokens of its row, at or before it, that this rank owns (up to `window` back)."""
-    _, seen = _candidates(q_seq_ids, q_positions, slots, window)
+    step's tokens of its row, at or before it, that this rank owns (up to `window` back; `slots`
+    and `num_rows` as slot_mapping gives and takes them)."""
+    _, seen = _candidates(q_seq_ids, q_positions, slots, num_rows, window)
     return prefix_lens.index_select(0, q_seq_ids).to(torch.int64) + seen.sum(dim=1)
 
 
@@ -109,14 +115,14 @@ def step_causal_mask(counts, rows: int, width: int):
     return (key_index[None, None, :] >= visible[:, :, None]).unsqueeze(1)
 
 
-def step_window(out_prefix, lse_prefix, q_latent, q_rope, latent, rope, slots, q_seq_ids, q_positions,
+def step_window(out_prefix, lse_prefix, q_latent, q_rope, latent, rope, slots, num_rows: int, q_seq_ids, q_positions,
                 sm_scale: float, window: int):
     """reference.window_attention over this step's own tokens instead of the page table: latent
     [T, R] and rope [T, P] are the tokens' KV as the cache holds it (its dtype). q_seq_ids groups
-    the tokens: a token sees the owned tokens of its group up to itself (its row's, or those of its
-    piece of <= `window` queries, whose earlier keys the prefix kernel saw)."""
+    the tokens: a token sees the owned tokens (slot below `num_rows`) of its group up to itself (its
+    row's, or those of its piece of <= `window` queries, whose earlier keys the prefix kernel saw)."""
     tokens, heads, rank_dim = q_latent.shape
-    index, seen = _candidates(q_seq_ids, q_positions, slots, window)
+    index, seen = _candidates(q_seq_ids, q_positions, slots, num_rows, window)
     flat = index.reshape(-1)
     keys_latent = latent.index_select(0, flat).view(tokens, window, rank_dim).float()
     keys_rope = rope.index_select(0, flat).view(tokens, window, rope.shape[-1]).float()
@@ -150,9 +156,15 @@ def partial_attention(q_latent, q_rope, kv_cache, page_table, seq_lens, key_posi
 
 def scatter_kv_cache(kv_cache, latent, rope, slots, block: int, rope_cache=None) -> None:
     """torch_npu.npu_scatter_pa_kv_cache over a layer's two cache parts (the split layout: kv_cache
-    the latent rows, rope_cache the rope rows; [rows, D] each, or NZ [blocks, 1, D/16, block, 16]),
-    as its 4-D caches: ND [blocks, block, 1, D] ('Norm'), NZ [blocks, D/16, block, 16] ('PA_NZ').
-    latent [T, R] and rope [T, P] in the cache's dtype, contiguous; a slot < 0 writes nothing."""
+    the latent rows, rope_cache the rope rows, each with the reserved block past the locations'
+    rows; [rows, D] each, or NZ [blocks, 1, D/16, block, 16]), as its 4-D caches: ND
+    [blocks, block, 1, D] ('Norm'), NZ [blocks, D/16, block, 16] ('PA_NZ'). latent [T, R] and rope
+    [T, P] in the cache's dtype, contiguous; slots int32 in [0, blocks x block) (slot_mapping).
+
+    The A2/A3 tiling refuses a call of more tokens than blocks x block ("numBlocks * blockSize should
+    larger than numTokens", docs/ascend.md §17): a step of more tokens (a long chunk on a small
+    shard) is written in calls of at most that many, static slices of its tokens (no host sync: a
+    replayed graph holds each call)."""
     if rope_cache is None:
         raise ValueError("dcp_npu.scatter_kv_cache writes the split KV layout (kv_cache and rope_cache)")
     tokens = slots.shape[0]
@@ -162,8 +174,12 @@ def scatter_kv_cache(kv_cache, latent, rope, slots, block: int, rope_cache=None)
             caches.append(part.view(part.shape[0], part.shape[2], part.shape[3], part.shape[4]))
         else:
             caches.append(part.view(part.shape[0] // block, block, 1, part.shape[1]))
-    torch.ops.npu.npu_scatter_pa_kv_cache(latent.view(tokens, 1, latent.shape[-1]), rope.view(tokens, 1, rope.shape[-1]),
-                                          *caches, slots, cache_mode="PA_NZ" if nz.is_nz(kv_cache) else "Norm")
+    keys, values = latent.view(tokens, 1, latent.shape[-1]), rope.view(tokens, 1, rope.shape[-1])
+    per_call = caches[0].shape[0] * block
+    for start in range(0, tokens, per_call):
+        end = min(start + per_call, tokens)
+        torch.ops.npu.npu_scatter_pa_kv_cache(keys[start:end], values[start:end], *caches, slots[start:end],
+                                              cache_mode="PA_NZ" if nz.is_nz(kv_cache) else "Norm")
 
 
 @custom_op("dcp_npu::scatter_kv_cache", mutates_args=("kv_cache", "rope_cache"))
@@ -184,7 +200,7 @@ def slot_mapping_op(loc: torch.Tensor, num_rows: int, dcp_rank: int, dcp_size: i
 
 @slot_mapping_op.register_fake
 def _(loc, num_rows, dcp_rank, dcp_size, interleave):
-    return torch.empty_like(loc)
+    return torch.empty_like(loc, dtype=SLOT_DTYPE)
 
 
 @custom_op("dcp_npu::guard_tokens", mutates_args=())
@@ -199,13 +215,13 @@ def _(seq_lens, q_seq_ids, out_loc, width):
 
 
 @custom_op("dcp_npu::step_key_counts", mutates_args=())
-def step_key_counts_op(prefix_lens: torch.Tensor, slots: torch.Tensor, q_seq_ids: torch.Tensor,
+def step_key_counts_op(prefix_lens: torch.Tensor, slots: torch.Tensor, num_rows: int, q_seq_ids: torch.Tensor,
                        q_positions: torch.Tensor, window: int) -> torch.Tensor:
-    return step_key_counts(prefix_lens, slots, q_seq_ids, q_positions, window)
+    return step_key_counts(prefix_lens, slots, num_rows, q_seq_ids, q_positions, window)
 
 
 @step_key_counts_op.register_fake
-def _(prefix_lens, slots, q_seq_ids, q_positions, window):
+def _(prefix_lens, slots, num_rows, q_seq_ids, q_positions, window):
     return q_seq_ids.new_empty(q_seq_ids.shape, dtype=torch.int64)
 
 
@@ -224,14 +240,15 @@ def _(counts, rows, width):
 
 @custom_op("dcp_npu::step_window", mutates_args=())
 def step_window_op(out_prefix: torch.Tensor, lse_prefix: torch.Tensor, q_latent: torch.Tensor, q_rope: torch.Tensor,
-                   latent: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor, q_seq_ids: torch.Tensor,
+                   latent: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor, num_rows: int, q_seq_ids: torch.Tensor,
                    q_positions: torch.Tensor, sm_scale: float, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return step_window(out_prefix, lse_prefix, q_latent, q_rope, latent, rope, slots, q_seq_ids, q_positions,
+    return step_window(out_prefix, lse_prefix, q_latent, q_rope, latent, rope, slots, num_rows, q_seq_ids, q_positions,
                        sm_scale, window)
 
 
 @step_window_op.register_fake
-def _(out_prefix, lse_prefix, q_latent, q_rope, latent, rope, slots, q_seq_ids, q_positions, sm_scale, window):
+def _(out_prefix, lse_prefix, q_latent, q_rope, latent, rope, slots, num_rows, q_seq_ids, q_positions, sm_scale,
+      window):
     return torch.empty_like(q_latent), lse_prefix.new_empty(lse_prefix.shape, dtype=torch.float32)
 
 
