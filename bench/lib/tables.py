@@ -339,7 +339,7 @@ def speed_targets(lowerings_result: dict, dcp_step_result: dict) -> list[str]:
     return out
 
 
-# --- bench.npu_facts, bench.pass_pipeline ---------------------------------------------------------
+# --- bench.pass_pipeline --------------------------------------------------------------------------
 
 
 def _rich(table) -> list[str]:
@@ -348,23 +348,6 @@ def _rich(table) -> list[str]:
     text = io.StringIO()
     Console(file=text, width=160).print(table)
     return text.getvalue().rstrip("\n").split("\n")
-
-
-def npu_facts(result: dict) -> list[str]:
-    from rich.markup import escape
-    from rich.table import Table
-
-    run = result["run"]
-    table = Table(title=f"npu_facts ({run['mode']}{', plant ' + run['plant'] if run['plant'] else ''})")
-    for column in ("fact", "result", "measured"):
-        table.add_column(column)
-    for fact in rows(result, "facts"):
-        measured = {k: v for k, v in fact["measured"].items() if k != "traceback"}
-        text = ", ".join(f"{k}={v}" for k, v in measured.items()) or fact["detail"]
-        if fact["detail"] and measured:
-            text += f" ({fact['detail']})"
-        table.add_row(fact["name"], fact["status"], escape(text))
-    return _rich(table)
 
 
 def pass_pipeline(result: dict) -> list[str]:
@@ -390,5 +373,5 @@ def pass_pipeline(result: dict) -> list[str]:
 
 
 TABLES = {"step": step, "profile_step": profile_step, "decode": decode, "kernels": kernels, "lowerings": lowerings,
-          "dcp_step": dcp_step, "npu_facts": npu_facts, "pass_pipeline": pass_pipeline}
+          "dcp_step": dcp_step, "pass_pipeline": pass_pipeline}
 """A benchmark's own tables; any other is shown by `generic`."""

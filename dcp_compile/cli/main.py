@@ -1,8 +1,8 @@
 """`dcp-compile` entry point. Each subcommand module has `register(subparsers)` and `run(args)`.
 
-Exit codes: 0 success; 1 the DCP run does not match dcp_size=1 (demo); 2 bad input or an error
-(one line on stderr; a bad flag too, see cli/arguments.py); 3 a rank died (killed, or exited
-without a result); 4 a collective timed out waiting for a stalled rank; 130 interrupted (Ctrl-C,
+Exit codes: 0 success; 1 the DCP run does not match dcp_size=1 (demo), or a check FAILs (doctor);
+2 bad input or an error (one line on stderr; a bad flag too, see cli/arguments.py); 3 a rank died
+(killed, or exited without a result); 4 a collective timed out waiting for a stalled rank; 130 interrupted (Ctrl-C,
 from the first line of main() on: while the subcommands are imported too, and however often it
 is pressed); 143 terminated (SIGTERM). Ranks are stopped in every case.
 
@@ -22,7 +22,7 @@ from dcp_compile.cli.arguments import Parser
 EXIT_MISMATCH, EXIT_ERROR, EXIT_RANK_DIED, EXIT_TIMEOUT = 1, 2, 3, 4
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
-SUBCOMMANDS = ("demo", "dump")
+SUBCOMMANDS = ("demo", "dump", "doctor")
 
 
 def build_parser() -> Parser:

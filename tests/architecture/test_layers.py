@@ -23,7 +23,7 @@ LAYERS = [
     ("compiled_step",),
     ("hf",),
     ("api", "debug"),
-    ("__init__", "harness"),
+    ("__init__", "harness", "doctor"),
     ("cli",),
 ]
 """Lowest first. A module may import its own layer and those below it."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -152,6 +153,29 @@ def test_modes_shape_the_batch(tmp_path, mode, options, tokens):
     assert json.loads((out / "dump.json").read_text())["mla_sites_rewritten"] == 1
 
 
+def test_the_npu_dump_shows_int32_slots_the_reserved_block_and_no_negative_slot(tmp_path):
+    """The native KV write as `--kernels npu` dumps it (docs/ascend.md §17, §19): one int32 slot
+    mapping feeds every layer's npu_scatter_pa_kv_cache, with no -1 anywhere in it (tokens a rank
+    does not keep write the reserved row, the first past the locations' rows); each layer's parts
+    hold the locations' rows and one reserved block, of which FIA reads the locations' rows only."""
+    code, out = dump(tmp_path, "--model", "tiny-512", "--kernels", "npu", "--dcp-size", "2")
+    assert code == 0
+    (verified,) = (out / "graph00").glob("*-verify.after.py")
+    lines = verified.read_text().splitlines()
+    (slots,) = [line.strip() for line in lines if "dcp_npu.slot_mapping.default(" in line]
+    writes = [line.strip() for line in lines if "dcp_npu.scatter_kv_cache.default(" in line]
+    name, annotation = slots.split(": ", 1)
+    assert annotation.startswith('"i32[')
+    rows = int(slots.rsplit("(", 1)[1].split(", ")[1])  # slot_mapping(loc, rows, rank, size, interleave)
+    assert len(writes) == MLA_LAYERS and all(f", {name}, " in write for write in writes)
+    assert not any(re.search(r"[(\[, ]-1[,)\]]", line) for line in [slots, *writes])
+    block = 128
+    for layer in range(MLA_LAYERS):
+        (part,) = [line.strip() for line in lines if line.strip().startswith(f"dcp_kv_latent_{layer}: ")]
+        assert f'"bf16[{rows + block}, 512]"' in part
+    assert sum(f"(dcp_kv_latent_0, 0, 0, {rows})" in line for line in lines) == 1  # FIA's view: the locations' rows
+
+
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` not installed")
 def test_svg(tmp_path):
     code, out = dump(tmp_path, "--model", "tiny", "--layers", "1", "--format", "svg", "--only", "shard_kv_write")
@@ -210,7 +234,7 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, options, message):
     (["dump", "--out", "x", "--batch", "four"],
      "dcp-compile dump: error: argument --batch: must be an int, got 'four' (see dcp-compile dump --help)"),
     (["dump"], "dcp-compile dump: error: the following arguments are required: --out (see dcp-compile dump --help)"),
-    ([], "dcp-compile: error: the following arguments are required: {demo,dump} (see dcp-compile --help)"),
+    ([], "dcp-compile: error: the following arguments are required: {demo,dump,doctor} (see dcp-compile --help)"),
 ])
 def test_a_bad_command_line_is_one_line_not_the_usage_block(tmp_path, capsys, monkeypatch, argv, line):
     monkeypatch.chdir(tmp_path)

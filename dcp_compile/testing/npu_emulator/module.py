@@ -64,8 +64,10 @@ def get_soc_version() -> int:
 class utils:  # noqa: N801 - torch_npu.npu.utils, the part the project reads
     @staticmethod
     def get_cann_version(module: str = "CANN") -> str:
-        """The CANN version (torch_npu/npu/utils.py:37-46): $DCP_COMPILE_NPU_EMULATOR_CANN for every module."""
-        return os.environ.get(CANN_ENV, DEFAULT_CANN)
+        """A module's version (torch_npu/npu/utils.py:37-46): $DCP_COMPILE_NPU_EMULATOR_CANN for CANN's
+        modules; "" for the driver ("DRIVER"), as torch_npu answers where it cannot read one: the
+        emulated device has no Ascend driver."""
+        return "" if module == "DRIVER" else os.environ.get(CANN_ENV, DEFAULT_CANN)
 
     get_soc_version = staticmethod(get_soc_version)
 
