@@ -221,6 +221,13 @@ def test_matrix_rows_have_sources():
     assert {"npu_kernels", "npu_kv_format", "fia_version", "npu_verify", "fia_block_sizes"} <= options
 
 
+def test_readme_prints_the_stacks_and_what_each_refuses():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert versions.stacks_markdown() in readme, "README 'Ascend versions': paste versions.stacks_markdown()"
+    sglang_a3 = versions.refused_on(versions.STACKS[0])  # CANN 8.5.0: the 2025 kernels
+    assert "npu_verify='mask'" in sglang_a3 and "npu_kernels='native'" not in sglang_a3
+
+
 def test_readme_prints_the_matrix():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert versions.matrix_markdown() in readme, "README 'Ascend versions': paste versions.matrix_markdown()"

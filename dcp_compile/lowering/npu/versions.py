@@ -210,6 +210,56 @@ def matrix_markdown() -> str:
     return "\n".join([head] + rows)
 
 
+# --- the stacks users run ----------------------------------------------------------------------
+
+class Stack(NamedTuple):
+    name: str
+    soc: str              # a SoC name of the family the stack is built for
+    cann: str
+    torch: str
+    torch_npu: str
+    triton_ascend: str | None
+    source: str
+
+
+# The engines' published Ascend stacks, each as a deployment (docs/ascend.md §18.7).
+STACKS = (
+    Stack("SGLang NPU image (A2/A3)", "Ascend910_9391", "8.5.0", "2.10.0", "2.10.0", "3.2.1",
+          "sgl-project/sglang docker/npu.Dockerfile @ 066209de (DEVICE_TYPE a3, or 910b for A2)"),
+    Stack("SGLang NPU image (A5)", "Ascend950PR_9579", "9.1.0", "2.10.0", "2.10.0.post4", "3.2.2",
+          "sgl-project/sglang docker/npu-950.Dockerfile @ ae0ef169"),
+    Stack("vllm-ascend 0.26.0rc1 (A2)", "Ascend910B3", "9.1.0", "2.10.0", "2.10.0.post4", None,
+          "docs.vllm.ai/projects/ascend/en/v0.26.0rc1/installation.html"),
+    Stack("vllm-ascend main (A2)", "Ascend910B3", "9.1.0 [I]", "2.10.0", "2.10.0.post6", "3.2.2",
+          "vllm-project/vllm-ascend requirements.txt @ 0baa3f12 (its CANN: 0.26.0rc1's, inferred)"),
+)
+OPTION_VALUES = (("npu_kernels", ("native", "triton")), ("npu_kv_format", ("nd", "nz")), ("fia_version", (1, 2)),
+                 ("npu_verify", ("split", "mask")), ("fia_block_sizes", ("cann-2025", "cann-2026")))
+
+
+def stack_deployment(stack: Stack) -> Deployment:
+    cann = stack.cann.split()[0]
+    return Deployment(stack.soc, soc_family(stack.soc), cann, stack.torch_npu, stack.triton_ascend)
+
+
+def refused_on(stack: Stack) -> list[str]:
+    """The option values (each alone, the others at their defaults) unsupported_reasons refuses on `stack`."""
+    from dcp_compile.lowering.npu.options import NPUOptions
+
+    deployment = stack_deployment(stack)
+    return [f"{name}={value!r}" for name, values in OPTION_VALUES for value in values
+            if unsupported_reasons(NPUOptions(**{name: value}), deployment)]
+
+
+def stacks_markdown() -> str:
+    """STACKS as the Markdown table of the README's "Ascend versions" section: what each refuses."""
+    head = ("| stack | SoC | CANN | torch | torch_npu | triton-ascend | refused there (the rest runs) | source |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = [f"| {s.name} | {s.soc} | {s.cann} | {s.torch} | {s.torch_npu} | {s.triton_ascend or '-'} | "
+            f"{', '.join(f'`{v}`' for v in refused_on(s)) or 'nothing'} | {s.source} |" for s in STACKS]
+    return "\n".join([head] + rows)
+
+
 # --- detection ---------------------------------------------------------------------------------
 
 class Deployment(NamedTuple):
