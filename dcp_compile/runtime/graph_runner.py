@@ -140,6 +140,36 @@ class NPUGraphs(_DeviceGraphs):
     def applied(self, graph):
         return self._applied.get(id(graph))
 
+    def capture(self, run, prepare=None):
+        try:
+            return super().capture(run, prepare)
+        except RuntimeError as exc:
+            advice = capture_error_advice(str(exc))
+            if advice is None:
+                raise
+            raise RuntimeError(f"NPU graph capture failed: {advice} (the error: {str(exc).splitlines()[0][:200]})") from exc
+
+
+NPU_CAPTURE_ERRORS = (
+    (("Alloc sq cq fail",), "an Ascend driver (HDK) older than 25.5.1 cannot allocate the streams a capture needs: "
+                            "upgrade the HDK to 25.5.1 or later (vllm-ascend's compilation/acl_graph.py reads this "
+                            "error so), or capture fewer graphs (fewer batch buckets)"),
+    (("507903",), "an HCCL collective failed inside the capture: export HCCL_OP_EXPANSION_MODE=AIV on every rank, "
+                  "as vllm-ascend's troubleshooting advises for capture stability"),
+    (("207008", "stream resources are insufficient"), "the device ran out of stream resources for the captures: "
+                                                      "capture fewer graphs (fewer batch buckets)"),
+)
+"""Known NPU-graph capture errors, by a marker of their text, and what to do (docs/ascend.md §20.4;
+`dcp-compile doctor --device npu` checks the driver and HCCL_OP_EXPANSION_MODE before a first run)."""
+
+
+def capture_error_advice(message: str) -> str | None:
+    """What to do about an NPU-graph capture error, or None for an error not known here."""
+    for markers, advice in NPU_CAPTURE_ERRORS:
+        if any(marker in message for marker in markers):
+            return advice
+    return None
+
 
 def feed_replay(feeds: list[HostFeed], runs: list[HostFeed], host: HostMetadata | None,
                 debug: bool = False) -> list[dict] | None:

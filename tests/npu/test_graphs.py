@@ -166,3 +166,25 @@ def test_npu_smoke_times_both_kernel_sets_side_by_side():
     args = npu_smoke.parse_args(["--kernels", "native,triton", "--combos", "nd:1:split,nz:2:mask"])
     assert npu_smoke._layouts(args) == [dict(npu_kv_format=f, fia_version=v, npu_kernels=k)
                                         for f, v in (("nd", 1), ("nz", 2)) for k in ("native", "triton")]
+
+
+@pytest.mark.parametrize("message, advice", [
+    ("aclmdlRICaptureEnd failed: Alloc sq cq fail", "upgrade the HDK to 25.5.1"),
+    ("HCCL error code 507903", "HCCL_OP_EXPANSION_MODE=AIV"),
+])
+def test_a_known_capture_error_says_what_to_do(monkeypatch, message, advice):
+    """The capture errors the engines know (an old driver, an HCCL collective inside a capture) are
+    raised with what to do; any other error is raised as it is."""
+    from dcp_compile.runtime.graph_runner import NPUGraphs
+
+    graphs = NPUGraphs()
+
+    def failing_graph(*args, **kwargs):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(torch.npu, "graph", failing_graph)
+    with pytest.raises(RuntimeError, match=f"NPU graph capture failed: .*{advice}"):
+        graphs.capture(lambda: torch.zeros(1, device=NPU))
+    monkeypatch.setattr(torch.npu, "graph", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="^other$"):
+        graphs.capture(lambda: torch.zeros(1, device=NPU))
