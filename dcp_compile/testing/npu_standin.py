@@ -2,22 +2,26 @@
 
 This is not Ascend code. `torch_npu` cannot be imported without the Ascend CANN libraries, and
 installed without them it breaks `import torch` (docs/ascend.md §12.1, §12.2), so `register()`
-defines the ops our NPU lowering calls under the `npu` namespace, with the exact schemas that
-torch_npu registers, kernels for the npu device implementing the documented semantics and
-limits (torch code: on the emulated device it runs on the host), and fake kernels for tracing.
-Lowered graphs then run and are tested on the emulated device
-(dcp_compile/testing/npu_emulator). When torch_npu is present, nothing is registered and the
-real ops are used.
+defines the ops our NPU lowering calls under the `npu` namespace, with the schemas that the
+selected torch_npu release registers (`$DCP_COMPILE_NPU_EMULATOR_TORCH_NPU`, default 2.13.0; the
+schema strings read from its wheel's libtorch_npu.so, npu_emulator/releases, docs/ascend.md §21),
+kernels for the npu device implementing the documented semantics and limits (torch code: on the
+emulated device it runs on the host), and fake kernels for tracing. Every call, run or traced,
+is then checked against the release's own meta (shape) function: outputs of other shapes or
+dtypes than torch_npu's raise `releases.ReleaseMismatch`. Lowered graphs then run and are tested
+on the emulated device (dcp_compile/testing/npu_emulator). When torch_npu is present, nothing is
+registered and the real ops are used.
 
 Ops (their facts and sources: docs/ascend.md):
-- `npu_fused_infer_attention_score` (FIA v1), its `.out` overload and
-  `_npu_fused_infer_attention_score_get_max_workspace`: schemas of §1.1, §1.2. Only the MLA path that
-  DCP decode uses is implemented (query_rope/key_rope, paged latent cache, §3-§6); documented
-  inputs outside it raise ValueError, documented inputs that the stand-in does not implement raise
-  NotImplementedError.
-- `npu_fused_infer_attention_score_v2` (FIA v2): the schema of §1.3, the same MLA path under v2's
-  argument names, with the layouts BSND_NBSD and TND_NTD as well (output [N, B, S, D] and
-  [N, T, D]; the LSE keeps the input layout, §15.2).
+- `npu_fused_infer_attention_score` (FIA v1), its `.out` overload (`workspace=`, `out=[attention_out,
+  softmax_lse]`), `_npu_fused_infer_attention_score_get_max_workspace` and `_infer_output` (the
+  helpers torch_npu's NPU-graph handler calls to capture `.default` as `.out`, §1.2, §21). Only
+  the MLA path that DCP decode uses is implemented (query_rope/key_rope, paged latent cache,
+  §3-§6); documented inputs outside it raise ValueError, documented inputs that the stand-in
+  does not implement raise NotImplementedError.
+- `npu_fused_infer_attention_score_v2` (FIA v2) and the same three variants: the same MLA path
+  under v2's argument names (§1.3), with the layouts BSND_NBSD and TND_NTD as well (output
+  [N, B, S, D] and [N, T, D]; the LSE keeps the input layout, §15.2).
 - Both take the paged latent and rope caches ND or NZ ([blocks, 1, D/16, 128, 16], §11.4; not with
   BNSD layouts, block size 128 only).
 - `npu_attention_update`: the LSE merge of §8; with update_type 0 its second output is NaN (the op
@@ -28,6 +32,10 @@ Ops (their facts and sources: docs/ascend.md):
   a kernel would not check: a negative slot, an int64 slot_mapping for the 2025 A2/A3 ND kernel
   (it reads int32), more tokens than the cache has slots (the A2/A3 tiling); a slot several tokens
   write gets NaN (the op's result is undefined there).
+
+The meta functions give shapes and dtypes only. The limits above (head dims, layouts with MLA, 16
+queries a request, block sizes, slot dtype and range, NZ) are readings of the op docs and of
+CANN's kernel sources, not of the wheel: §21.3 says which.
 
 Kernel behaviours that callers rely on and that the stand-ins reproduce:
 - softmax_lse is the natural-log logsumexp of the scaled scores, fp32 (§2.3; fp32: §2.2).
@@ -54,59 +62,7 @@ from typing import Sequence
 
 import torch
 
-_FIA_ARGUMENTS = (
-    "Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, Tensor? atten_mask=None, "
-    "SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
-    "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, "
-    "Tensor? quant_scale2=None, Tensor? quant_offset2=None, Tensor? antiquant_scale=None, "
-    "Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, "
-    "Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, "
-    "Tensor? value_antiquant_offset=None, Tensor? block_table=None, "
-    "Tensor? query_padding_size=None, Tensor? kv_padding_size=None, "
-    "Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, "
-    "SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, Tensor? key_rope=None, "
-    "Tensor? key_rope_antiquant_scale=None, int num_heads=1, float scale=1.0, "
-    "int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout=\"BSH\", "
-    "int num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, int block_size=0, "
-    "int antiquant_mode=0, int key_antiquant_mode=0, int value_antiquant_mode=0, "
-    "bool softmax_lse_flag=False"
-)
-# The op-plugin yaml lines of docs/ascend.md §1.1 and §8.1, not the torch_npu docstrings (whose
-# argument order differs).
-FIA_SCHEMA = f"npu_fused_infer_attention_score({_FIA_ARGUMENTS}) -> (Tensor, Tensor)"
-FIA_OUT_SCHEMA = (
-    f"npu_fused_infer_attention_score.out({_FIA_ARGUMENTS}, Tensor? workspace=None, "
-    "Tensor(a!) attention_out, Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))"
-)
-FIA_WORKSPACE_SCHEMA = f"_npu_fused_infer_attention_score_get_max_workspace({_FIA_ARGUMENTS}) -> Tensor"
-_FIA_V2_ARGUMENTS = (
-    "Tensor query, Tensor key, Tensor value, *, Tensor? query_rope=None, Tensor? key_rope=None, "
-    "Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_qlen=None, "
-    "SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, Tensor? dequant_scale_query=None, "
-    "Tensor? dequant_scale_key=None, Tensor? dequant_offset_key=None, Tensor? dequant_scale_value=None, "
-    "Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, Tensor? quant_scale_out=None, "
-    "Tensor? quant_offset_out=None, Tensor? quant_scale_p=None, Tensor? learnable_sink=None, "
-    "int num_query_heads=1, int num_key_value_heads=0, float softmax_scale=1.0, "
-    "int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout=\"BSH\", int sparse_mode=0, "
-    "int block_size=0, int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, "
-    "int inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, int? key_dtype=None, "
-    "int? value_dtype=None, int? query_rope_dtype=None, int? key_rope_dtype=None, "
-    "int? key_shared_prefix_dtype=None, int? value_shared_prefix_dtype=None, "
-    "int? dequant_scale_query_dtype=None, int? dequant_scale_key_dtype=None, "
-    "int? dequant_scale_value_dtype=None, int? dequant_scale_key_rope_dtype=None, int? out_dtype=None"
-)
-# FIA v2, the yaml line of torch_npu 2.14.0 (docs/ascend.md §1.3).
-FIA_V2_SCHEMA = f"npu_fused_infer_attention_score_v2({_FIA_V2_ARGUMENTS}) -> (Tensor, Tensor)"
-ATTENTION_UPDATE_SCHEMA = (
-    "npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type) -> (Tensor, Tensor)"
-)
-
-# op-plugin op_plugin/config/op_plugin_functions.yaml:6950 @ 517f2e7d (docs/ascend.md §17).
-SCATTER_PA_KV_CACHE_SCHEMA = (
-    "npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-    "Tensor slot_mapping, *, Tensor? compress_lens=None, Tensor? compress_seq_offsets=None, "
-    "Tensor? seq_lens=None, str? cache_mode='PA_NZ') -> ()"
-)
+from dcp_compile.testing.npu_emulator import releases
 
 _library: torch.library.Library | None = None
 
@@ -132,15 +88,21 @@ def register() -> bool:
 
     Returns False, registering nothing, when torch_npu is installed: its ops are the real ones.
     torch_npu is not imported here, so that merely checking never initialises an NPU runtime.
-    Their kernels are registered for the npu device only (PrivateUse1), as torch_npu's are: they
-    run on the emulated device (dcp_compile/testing/npu_emulator), and a call with tensors of
-    another device fails as it would with torch_npu.
+    The schemas are those of the torch_npu release `$DCP_COMPILE_NPU_EMULATOR_TORCH_NPU` names
+    (npu_emulator/releases: read from its wheel), and every call, traced or run, is checked
+    against that release's meta function (`release().check`). The kernels are registered for the
+    npu device only (PrivateUse1), as torch_npu's are: they run on the emulated device
+    (dcp_compile/testing/npu_emulator), and a call with tensors of another device fails as it
+    would with torch_npu.
     """
     global _library
     if importlib.util.find_spec("torch_npu") is not None:
         return False
     if _library is None:
-        _library = _define_ops()
+        chosen = releases.selected()
+        check_argument_names(chosen)
+        _library = _define_ops(chosen)
+        releases.activate(chosen)
     return True
 
 
@@ -149,23 +111,69 @@ def is_standin() -> bool:
     return _library is not None
 
 
-def _define_ops() -> torch.library.Library:
-    library = torch.library.Library("npu", "DEF")
-    kernels = {
-        FIA_SCHEMA: (_fia_kernel, _fia_fake),
-        FIA_OUT_SCHEMA: (_fia_out_kernel, _fia_out_fake),
-        FIA_WORKSPACE_SCHEMA: (_fia_workspace, _fia_workspace),
-        FIA_V2_SCHEMA: (_fia_v2_kernel, _fia_v2_fake),
-        ATTENTION_UPDATE_SCHEMA: (_attention_update_kernel, _attention_update_fake),
-        SCATTER_PA_KV_CACHE_SCHEMA: (_scatter_pa_kv_cache_kernel, _scatter_pa_kv_cache_fake),
+def release() -> releases.Release:
+    """The torch_npu release the stand-ins stand in for: the one registered, else the one selected."""
+    return releases.active()
+
+
+def _kernels() -> dict:
+    """Op (as a release snapshot names it) -> (npu kernel, fake kernel)."""
+    return {
+        "npu_fused_infer_attention_score": (_fia_kernel, _fia_fake),
+        "npu_fused_infer_attention_score.out": (_fia_out_kernel, _fia_out_fake),
+        "_npu_fused_infer_attention_score_get_max_workspace": (_fia_workspace, _fia_workspace),
+        "_npu_fused_infer_attention_score_infer_output": (_fia_infer_output, _fia_infer_output),
+        "npu_fused_infer_attention_score_v2": (_fia_v2_kernel, _fia_v2_fake),
+        "npu_fused_infer_attention_score_v2.out": (_fia_v2_out_kernel, _fia_v2_out_fake),
+        "_npu_fused_infer_attention_score_v2_get_max_workspace": (_fia_v2_workspace, _fia_v2_workspace),
+        "_npu_fused_infer_attention_score_v2_infer_output": (_fia_v2_infer_output, _fia_v2_infer_output),
+        "npu_attention_update": (_attention_update_kernel, _attention_update_fake),
+        "npu_scatter_pa_kv_cache": (_scatter_pa_kv_cache_kernel, _scatter_pa_kv_cache_fake),
     }
-    for schema, (kernel, fake_kernel) in kernels.items():
+
+
+def _define_ops(chosen: releases.Release) -> torch.library.Library:
+    kernels = _kernels()
+    missing = sorted(set(chosen.schemas) - set(kernels))
+    if missing:
+        raise NotImplementedError(f"{chosen} registers {missing}, which the stand-ins do not implement")
+    library = torch.library.Library("npu", "DEF")
+    for name, schema in chosen.schemas.items():
+        kernel, fake_kernel = kernels[name]
         library.define(schema)
-        name = schema.split("(", 1)[0]
-        library.impl(name, kernel, "PrivateUse1")
+        library.impl(name, _checked(name, kernel), "PrivateUse1")
         # register_fake also installs the Meta kernel.
-        torch.library.register_fake(f"npu::{name}", fake_kernel, lib=library)
+        torch.library.register_fake(f"npu::{name}", _checked(name, fake_kernel), lib=library)
     return library
+
+
+def _checked(name: str, kernel):
+    """The kernel, then the release's check of the call: its arguments bound to the release's
+    schema, its outputs against the release's meta function (ReleaseMismatch otherwise)."""
+
+    def run(*args, **kwargs):
+        outputs = kernel(*args, **kwargs)
+        release().check(name, args, kwargs, outputs)
+        return outputs
+
+    run.__name__ = getattr(kernel, "__name__", name)
+    return run
+
+
+def check_argument_names(chosen: releases.Release) -> None:
+    """Every FIA argument the stand-ins read by name is an argument of the release's schema (a
+    stand-in reading a name the release does not have would silently see its default)."""
+    v1 = {a.name for a in chosen.schema("npu_fused_infer_attention_score").arguments}
+    read_v1 = _FIA_ARG_NAMES | set(_MLA_UNSUPPORTED_ARGUMENTS)
+    wrong = {"npu_fused_infer_attention_score": sorted(read_v1 - v1)}
+    if "npu_fused_infer_attention_score_v2" in chosen.schemas:
+        v2 = {a.name for a in chosen.schema("npu_fused_infer_attention_score_v2").arguments}
+        kept = _FIA_ARG_NAMES - set(V2_RENAMES.values())
+        read_v2 = set(V2_RENAMES) | kept | set(_V2_MLA_UNSUPPORTED) | set(_V2_QUANT_MODES)
+        wrong["npu_fused_infer_attention_score_v2"] = sorted(read_v2 - v2)
+    wrong = {op: names for op, names in wrong.items() if names}
+    if wrong:
+        raise releases.ReleaseMismatch(f"the FIA stand-ins read arguments {chosen} does not have: {wrong}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,8 +672,21 @@ def _hinted(args: FiaArgs) -> FiaArgs:
     return dataclasses.replace(args, **hinted)
 
 
-def _fia_out_kernel(query, key, value, *, attention_out, softmax_lse, workspace=None, **keyword_args):
-    args = bind_fia_args(query, key, value, keyword_args)
+def _out_pair(out) -> tuple[torch.Tensor, torch.Tensor]:
+    if len(out) != 2:
+        raise ValueError(f"out must be [attention_out, softmax_lse] (2 tensors), got {len(out)}")
+    return out[0], out[1]
+
+
+def _fia_out_kernel(query, key, value, *, out, workspace=None, **keyword_args):
+    return _run_fia_out(bind_fia_args(query, key, value, keyword_args), *_out_pair(out))
+
+
+def _fia_v2_out_kernel(query, key, value, *, out, workspace=None, **keyword_args):
+    return _run_fia_out(bind_fia_v2_args(query, key, value, keyword_args), *_out_pair(out))
+
+
+def _run_fia_out(args: FiaArgs, attention_out, softmax_lse):
     plan = validate_fia(args)
     _check_out_buffers(args, plan, attention_out, softmax_lse)
     computed_out, computed_lse = _compute_fia(args, plan)
@@ -677,8 +698,16 @@ def _fia_out_kernel(query, key, value, *, attention_out, softmax_lse, workspace=
     return attention_out, softmax_lse
 
 
-def _fia_out_fake(query, key, value, *, attention_out, softmax_lse, workspace=None, **keyword_args):
+def _fia_out_fake(query, key, value, *, out, workspace=None, **keyword_args):
+    attention_out, softmax_lse = _out_pair(out)
     args = _hinted(bind_fia_args(query, key, value, keyword_args))
+    _check_out_buffers(args, validate_fia(args), attention_out, softmax_lse)
+    return attention_out, softmax_lse
+
+
+def _fia_v2_out_fake(query, key, value, *, out, workspace=None, **keyword_args):
+    attention_out, softmax_lse = _out_pair(out)
+    args = _hinted(bind_fia_v2_args(query, key, value, keyword_args))
     _check_out_buffers(args, validate_fia(args), attention_out, softmax_lse)
     return attention_out, softmax_lse
 
@@ -703,8 +732,30 @@ def _fia_workspace(query, key, value, **keyword_args):
 
     Zeroed rather than empty so that the result is deterministic.
     """
-    validate_fia(bind_fia_args(query, key, value, keyword_args))
+    validate_fia(_hinted(bind_fia_args(query, key, value, keyword_args)))
     return torch.zeros(1, dtype=torch.uint8, device=query.device)
+
+
+def _fia_v2_workspace(query, key, value, **keyword_args):
+    validate_fia(_hinted(bind_fia_v2_args(query, key, value, keyword_args)))
+    return torch.zeros(1, dtype=torch.uint8, device=query.device)
+
+
+def _fia_infer_output(query, value, **keyword_args):
+    """Both outputs, allocated (torch_npu's NPU-graph handler hands them to `.out` at capture): of
+    the shapes and dtypes the release's meta function of FIA gives for these arguments (the
+    kernel's own `_infer_output` is C++, not in the wheel's Python)."""
+    return _allocated(release().meta("_npu_fused_infer_attention_score_infer_output", (query, value), keyword_args),
+                      query)
+
+
+def _fia_v2_infer_output(query, value, **keyword_args):
+    return _allocated(release().meta("_npu_fused_infer_attention_score_v2_infer_output", (query, value),
+                                     keyword_args), query)
+
+
+def _allocated(metas, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(like.new_empty(meta.shape, dtype=meta.dtype) for meta in metas)
 
 
 def _compute_fia(args: FiaArgs, plan: FiaPlan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -152,7 +152,7 @@ def test_an_npu_graph_updates_fia_v2_by_its_own_names():
 
     out = torch.empty_like(run([3, 200]))
     graph = torch.npu.NPUGraph()
-    with torch.npu.graph(graph):
+    with torch.npu.graph(graph, auto_dispatch_capture=True):
         out.copy_(run([3, 200]))
     with pytest.raises(ValueError, match="takes no update of 'actual_seq_lengths_kv'"):
         graph.update(cpu_update_input=[{"actual_seq_lengths_kv": [150, 0]}])

@@ -76,7 +76,7 @@ def _fia_graph(lengths):
 
     out = torch.empty_like(run(lengths))
     graph = torch.npu.NPUGraph()
-    with torch.npu.graph(graph):
+    with torch.npu.graph(graph, auto_dispatch_capture=True):
         out.copy_(run(lengths))
     return graph, out, run
 

@@ -11,9 +11,10 @@ instead of importing torch_npu; nothing else in the project knows the device is 
 - `torch.npu` (module.py): devices, streams, events, synchronize, the SoC and CANN version
   (`$DCP_COMPILE_NPU_EMULATOR_SOC`, default Ascend910B3; `$DCP_COMPILE_NPU_EMULATOR_CANN`, default
   9.0.0), and NPU graphs (graphs.py): capture records the device work and runs none of it, replay
-  runs exactly that with the host values of the capture, `update(cpu_update_input=...)` rewrites
-  FIA's host lengths by argument name, one dict per recorded call, on torch_npu's shared update
-  stream (`graph.graph_dispatch_mode.update_stream`). As on hardware: host traffic in a capture
+  runs exactly that with the host values of the capture; with `auto_dispatch_capture`, FIA is
+  captured as the selected torch_npu release's handler captures it, and `update(cpu_update_input=...)`
+  rewrites its host lengths by argument name by that release's rules, on torch_npu's shared
+  update stream (`graph.graph_dispatch_mode.update_stream`). As on hardware: host traffic in a capture
   (a pageable upload, any device-to-host read, an op that runs on the host or synchronises to learn
   its output's shape) is an error; an FIA call captured with a KV length of 0 is refused; a replay
   whose FIA calls were not updated since the last replay raises (hardware would hang); an update
@@ -25,15 +26,19 @@ instead of importing torch_npu; nothing else in the project knows the device is 
   `ops_off_device()`) and ops whose kernel synchronises the stream for a data-dependent output
   shape (`syncing_ops()`); every upload's bytes (`h2d_bytes()`); all reset by `reset_host_syncs()`.
   Nothing counts during a graph replay;
+- the torch_npu release it stands in for (releases/, `$DCP_COMPILE_NPU_EMULATOR_TORCH_NPU`,
+  default 2.13.0): snapshots of each release's wheel, made by `python -m
+  dcp_compile.testing.npu_emulator.snapshot` without importing torch_npu, give the stand-ins'
+  schemas, the meta functions every stand-in call is checked against, and the NPU-graph update
+  rules (docs/ascend.md §21);
 - an `hccl` process-group backend (hccl.py) that runs collectives through gloo on the host
   views of npu tensors, functional collectives and collectives inside graphs included; it counts
   all-to-all calls with explicit split lists (HCCL's AlltoAllV path: `alltoallv_calls()`).
 
 What it does not model: speed, CANN's kernel numerics (the stand-ins of lowering/npu compute in
 fp32 on the host), HCCL on real links, concurrency between streams (work runs when issued, so a
-replay cannot be issued before its update as torchair does), `auto_dispatch_capture=False` (FIA
-calls are updatable either way), and torch_npu's own H2D staging (bytes are counted, not timed).
-Facts and sources: docs/ascend.md §16, §17.
+replay cannot be issued before its update as torchair does), and torch_npu's own H2D staging
+(bytes are counted, not timed). Facts and sources: docs/ascend.md §16, §17, §21.
 """
 
 from __future__ import annotations

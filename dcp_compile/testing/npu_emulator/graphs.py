@@ -18,11 +18,20 @@
 - **A recorded FIA call must be captured with every KV length >= 1** (`actual_seq_lengths_kv`,
   v2 `actual_seq_kvlen`): FIA's tiling key depends on the length split, and vllm-ascend captures
   with lengths of 1 (its dummy run); a 0 at capture is a CaptureError.
-- **`update(cpu_update_input=[{...}, ...])`** rewrites the host lengths of the recorded FIA
-  calls, one dict per call in capture order (or one dict for all), by argument name
-  (`actual_seq_lengths`, `actual_seq_lengths_kv` for FIA v1, `actual_seq_qlen`,
-  `actual_seq_kvlen` for v2), as torch_npu does; another name, or another number of dicts, is an
-  error. Like torch_npu, it runs on the update stream shared by all graphs,
+- **Capture and update follow the selected torch_npu release** (`$DCP_COMPILE_NPU_EMULATOR_TORCH_NPU`,
+  releases/: its `npu/graphs.py` and `npu/_npugraph_handlers/`, docs/ascend.md §21). Under
+  `graph(..., auto_dispatch_capture=True)` each call of an op with an NPU-graph handler (FIA v1,
+  v2) is a dispatch record, captured as the handler captures it: `.default` as `.out` with the
+  workspace of `_get_max_workspace` and the outputs of `_infer_output`. Without
+  `auto_dispatch_capture` nothing is recorded for update, and `update` raises, as torch_npu's does.
+- **`update(cpu_update_input=[{...}, ...])`** pairs the dicts with the dispatch records in capture
+  order: one dict is copied to every record; otherwise the release's count rule applies (exactly
+  one dict per record, RuntimeError else; on a release whose check compared the records with
+  themselves, the records past the list are left un-updated). A key replaces the record's
+  captured keyword argument of that name, or fills the positional slot of the handler's update
+  spec: what torch_npu does. A key that torch_npu would ignore (no such captured argument, no
+  spec slot) is a ValueError here: on hardware the call keeps its captured value and nothing
+  says so. Like torch_npu, update runs on the update stream shared by all graphs,
   `graph.graph_dispatch_mode.update_stream` (torch_npu/npu/graphs.py:430-435, 554).
 - **Every replay of a graph with FIA calls needs an update since its last replay (or capture)**:
   on hardware each recorded FIA task waits on an ExternalEvent that only update records
@@ -44,18 +53,15 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dcp_compile.testing.npu_emulator import op_coverage
+from dcp_compile.testing.npu_emulator import op_coverage, releases
 
 aten = torch.ops.aten
-UPDATABLE = {"npu_fused_infer_attention_score": ("actual_seq_lengths", "actual_seq_lengths_kv"),
-             "npu_fused_infer_attention_score_v2": ("actual_seq_qlen", "actual_seq_kvlen")}
-"""Ops whose host lengths NPUGraph.update rewrites, and the argument names it takes (FIA v1, v2:
-torch_npu's npugraph handlers, docs/ascend.md §9.3)."""
 KERNEL_NAMESPACES = {"aten", "prims", "npu", "dcp_triton", "_c10d_functional", "c10d", "dcp_npu_emulator"}
 """Ops recorded as one unit of device work (a kernel, a collective); other ops' npu kernels are
 Python over these, and run at capture."""
 _NPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
 KV_LENGTHS = {"npu_fused_infer_attention_score": "actual_seq_lengths_kv", "npu_fused_infer_attention_score_v2": "actual_seq_kvlen"}
+"""FIA v1's and v2's KV lengths (a capture with a length of 0 is refused, every overload)."""
 DEVICE_TO_HOST = {aten._local_scalar_dense.default}
 
 _capturing = threading.local()
@@ -145,8 +151,8 @@ def _check_host_traffic(func, args, kwargs) -> None:
                            f"issued at {op_coverage.issuing_source()}")
 
 
-def _updatable(func) -> bool:
-    return getattr(func, "namespace", "") == "npu" and getattr(func, "_opname", "") in UPDATABLE
+def _is_fia(func) -> bool:
+    return getattr(func, "namespace", "") == "npu" and getattr(func, "_opname", "") in KV_LENGTHS
 
 
 def capturing_graph() -> "NPUGraph | None":
@@ -172,7 +178,7 @@ def _check_fia_capture_lengths(func, args, kwargs) -> None:
     """A recorded FIA call captured with a KV length of 0 is refused: FIA's tiling key depends on
     how the lengths split, so a graph captured on empty rows is not the graph later steps need.
     vllm-ascend captures its dummy run with lengths >= 1 (docs/ascend.md §17)."""
-    if not _updatable(func):
+    if not _is_fia(func):
         return
     name = KV_LENGTHS[func._opname]
     position = [a.name for a in func._schema.arguments].index(name)
@@ -213,9 +219,27 @@ def _placeholders(func, args, kwargs):
 @dataclass
 class _Recorded:
     func: object
-    args: tuple
+    args: list
     kwargs: dict
     outputs: object
+    dispatch: bool = False
+    """A dispatch record of torch_npu's NPU-graph mode (auto_dispatch_capture): what update pairs
+    its dicts with, and what a replay needs an update of."""
+
+
+def _prepare_capture(func, args, kwargs, handler: dict):
+    """What the release's handler does before recording a call (its prepare_capture): a
+    `.default` FIA call becomes `.out` with the workspace of `_get_max_workspace` and the outputs of
+    `_infer_output` (run now, as on hardware: they allocate, they launch nothing)."""
+    if handler["capture_as"] is None or handler["capture_as"] == releases.overload_name(func):
+        return func, args, kwargs
+    npu = torch.ops.npu
+    workspace = getattr(npu, handler["workspace"])(*args, **kwargs)
+    out_args = [args[index] for index in handler["infer_output_args"]]
+    out_kwargs = {key: kwargs[key] for key in handler["infer_output_kwargs"] if key in kwargs}
+    outputs = list(getattr(npu, handler["infer_output"])(*out_args, **out_kwargs))
+    op, overload = handler["capture_as"].split(".")
+    return getattr(getattr(npu, op), overload), args, {**kwargs, "workspace": workspace, "out": outputs}
 
 
 class _Recorder(TorchDispatchMode):
@@ -252,8 +276,14 @@ class _Recorder(TorchDispatchMode):
                 return func.redispatch(_NPU_KEYS, *args, **kwargs)
         _check_host_traffic(func, args, kwargs)
         _check_fia_capture_lengths(func, args, kwargs)
+        handler = releases.active().handler(func.__name__) if self.graph.auto_dispatch_capture else None
+        if handler is not None:
+            func, args, kwargs = _prepare_capture(func, args, kwargs, handler)
+            if "out" in kwargs:  # the handler's postprocess_result: the caller gets kwargs["out"]
+                self.graph._records.append(_Recorded(func, list(args), dict(kwargs), kwargs["out"], dispatch=True))
+                return kwargs["out"]
         outputs = _placeholders(func, args, kwargs)
-        self.graph._records.append(_Recorded(func, args, dict(kwargs), outputs))
+        self.graph._records.append(_Recorded(func, list(args), dict(kwargs), outputs, dispatch=handler is not None))
         return outputs
 
 
@@ -274,8 +304,9 @@ class NPUGraph:
         self._records: list[_Recorded] = []
         self._captured = False
         self._stale: list[_Recorded] = []
-        """Recorded FIA calls not updated since the last replay (or capture)."""
+        """Dispatch records not updated since the last replay (or capture)."""
         self.graph_dispatch_mode = _GraphDispatchMode()
+        self.auto_dispatch_capture = False
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
         if is_current_stream_capturing():
@@ -292,7 +323,7 @@ class NPUGraph:
         self._stale = self._updatable_calls()
 
     def _updatable_calls(self) -> list[_Recorded]:
-        return [r for r in self._records if _updatable(r.func)]
+        return [r for r in self._records if r.dispatch]
 
     def replay(self) -> None:
         if not self._captured:
@@ -315,12 +346,22 @@ class NPUGraph:
         self._stale = self._updatable_calls()
 
     def update(self, cpu_update_input: list[dict]) -> None:
+        """torch_npu's NPUGraph.update and update_capture_record, by the active release's rules."""
+        release = releases.active()
+        rule = release.update_rule
+        if rule["requires_auto_dispatch_capture"] and not self.auto_dispatch_capture:
+            raise RuntimeError(f"The current graph configuration does not support update,Try to capture by setting "
+                               f"auto_dispatch_capture=True during capture ({release} NPUGraph.update)")
         calls = self._updatable_calls()
-        if len(cpu_update_input) == 1:  # one dict for every call (torch_npu graphs.py:535-540)
-            cpu_update_input = [dict(cpu_update_input[0]) for _ in calls]
-        if len(cpu_update_input) != len(calls):  # torch_npu graphs.py:545-552
-            raise ValueError(f"cpu_update_input has {len(cpu_update_input)} entries, the graph recorded {len(calls)} "
-                             "updatable calls: give one dict per call (or one for all)")
+        updates = [dict(update) for update in cpu_update_input]
+        broadcast = rule["broadcast_one_dict"] and len(updates) == 1
+        if broadcast:
+            updates = [dict(updates[0]) for _ in calls]
+        if len(updates) != len(calls) and rule["count_check"] == "exact":
+            raise RuntimeError(f"cpu_update_input has {len(updates)} entries, the graph recorded {len(calls)} "
+                               f"updatable calls: give one dict per call (or one for all). {release}: 'Currently, "
+                               f"there are {len(calls)} operators that need to be updated by capture, and there are "
+                               f"only {len(updates)} elements in the incoming cpu_update_input list'")
         update_stream = self.graph_dispatch_mode.update_stream
         unordered = [r for r in in_flight.running(self) if r not in update_stream.waited]
         if unordered:
@@ -328,14 +369,14 @@ class NPUGraph:
                                "the host (an event recorded after the replay and synchronized, or a stream "
                                "synchronize) or on the device (graph.graph_dispatch_mode.update_stream.wait_event of "
                                "such an event); on hardware the update races the replay")
-        for record, update in zip(calls, cpu_update_input):
-            allowed = UPDATABLE[record.func._opname]
-            for name, value in update.items():
-                if name not in allowed:
-                    raise ValueError(f"NPUGraph.update: {record.func._opname} takes no update of {name!r} "
-                                     f"(it updates {list(allowed)})")
-                record.kwargs[name] = list(value)
-        self._stale = []
+        pairs = list(zip(calls, updates))
+        _refuse_ignored_keys(release, pairs, broadcast)
+        for record, update in pairs:
+            for key, value in update.items():
+                _apply(release, record, key, list(value) if isinstance(value, (list, tuple)) else value)
+        # A release whose count check compared the records with themselves leaves the records past
+        # the list un-updated: their replay would wait forever (docs/ascend.md §9.3).
+        self._stale = calls[len(pairs):]
 
     def record_collective(self, run) -> None:
         """Record a process-group collective issued during this capture (hccl.py)."""
@@ -346,9 +387,48 @@ class NPUGraph:
         return [str(r.func) for r in self._records]
 
 
+def _slots(release, record: _Recorded, key: str) -> list[tuple[str, object]]:
+    """Where torch_npu's update puts `key` in a record: the captured keyword argument of that name
+    (update_capture_record), and the handler's spec slots of that key (update_args: a positional
+    slot only where the call passed that many arguments)."""
+    rule = release.update_rule
+    slots = [("kwarg", key)] if rule["replaces_captured_kwargs"] and key in record.kwargs else []
+    handler = release.handler(record.func.__name__) or {"update_specs": []}
+    for where, slot, spec_key in handler["update_specs"]:
+        if spec_key == key and (where == "kwarg" or len(record.args) > slot):
+            slots.append((where, slot))
+    return slots
+
+
+def _apply(release, record: _Recorded, key: str, value) -> None:
+    for where, slot in _slots(release, record, key):
+        if where == "kwarg":
+            record.kwargs[slot] = value
+        else:
+            record.args[slot] = value
+
+
+def _refuse_ignored_keys(release, pairs, broadcast: bool) -> None:
+    """A key torch_npu would ignore (the call keeps its captured value, silently) is an error here:
+    with one dict per record, a key its record does not take; with one dict for all, a key no record
+    takes."""
+    ignored = {}
+    for record, update in pairs:
+        for key in update:
+            ignored.setdefault(key, []).append(record if not _slots(release, record, key) else None)
+    for key, records in ignored.items():
+        refused = [r for r in records if r is not None]
+        if refused and (not broadcast or len(refused) == len(records)):
+            name = refused[0].func.__name__
+            raise ValueError(f"NPUGraph.update: {name} takes no update of {key!r}: {release} would ignore it (the "
+                             f"call keeps its captured value). It updates {release.update_keys(name)} where they "
+                             "were captured, and replaces any other argument captured as a keyword")
+
+
 @contextlib.contextmanager
 def graph(npu_graph: NPUGraph, pool=None, stream=None, auto_dispatch_capture: bool = False,
           capture_error_mode: str = "global"):
+    npu_graph.auto_dispatch_capture = auto_dispatch_capture
     with torch.npu.stream(stream):
         npu_graph.capture_begin(pool)
         try:
