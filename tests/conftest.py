@@ -147,6 +147,9 @@ QUICK_SPAWNS = [
     "tests/distributed/test_modes.py::test_mode_matches_dcp_size_one[verify-tp2-dcp2-I1-gather-q-triton]",
     "tests/flashinfer/test_lowering.py::test_dcp2_matches_dcp1[decode-I1-P8]",
     "tests/distributed/test_npu_lowering.py::test_npu_graph_replays_match_dcp_size_one[decode-k1-tp2-dcp2-I1-graphs]",
+    # the combination sweep's case in the shared npu spawn: two kinds of layer, regions, graphs, NZ, masked verify
+    "tests/distributed/test_npu_sweep.py::test_sampled_canonical_case_at_dcp_two_matches_dcp_size_one"
+    "[canonical-dense-then-moe-verify-regions-graphs-nz-v1-mask-dcp2]",
 ]
 BY_FIXTURE = {
     "npu_emulator": ("emulator",),

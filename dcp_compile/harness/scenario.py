@@ -84,6 +84,13 @@ class Scenario(Workload):
     regions: bool = False
     """The DCP model's decoder layers are compile regions (MLAModel(regions=True)): its passes and
     inner compile run once per kind of layer. The dcp_size 1 baseline has none."""
+    layer_types: tuple[str, ...] | None = None
+    """The model's layer kinds ('mla' or 'linear', one per layer) in place of the preset's, e.g.
+    ('mla', 'mla') for uniform MLA layers (not with `layers`); None keeps the preset's."""
+    configured_at_dcp_size_one: bool = False
+    """At dcp_size 1, the model under test takes the scenario's kernels, options, regions and inner
+    compiler, against the baseline (its back end's defaults, no regions, eager); off, a dcp_size 1
+    scenario builds both models alike (a check of TP alone)."""
 
     @property
     def device_type(self) -> str:
@@ -95,6 +102,15 @@ class Scenario(Workload):
             raise ValueError(f"unknown device {self.device!r}; choose cpu, cuda or npu")
         if self.checkpoint is not None:
             object.__setattr__(self, "model", Path(self.checkpoint).name)
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if self.layers is not None or self.checkpoint is not None or not self.layer_types \
+                    or not set(self.layer_types) <= {"mla", "linear"}:
+                raise ValueError(f"layer_types must be a non-empty list of 'mla' and 'linear', given without layers "
+                                 f"or a checkpoint; got {self.layer_types}")
+        if self.configured_at_dcp_size_one and self.dcp_size != 1:
+            raise ValueError("configured_at_dcp_size_one is for dcp_size 1 (a DCP model always takes the scenario's "
+                             f"settings); got dcp_size {self.dcp_size}")
         super().__post_init__()
         check_timeout(self.timeout)
         for name in ("tp_size", "steps", "pad_rows"):
@@ -238,7 +254,8 @@ class Scenario(Workload):
         if self.checkpoint is not None:
             cfg = hf_config.read_config(self.checkpoint).model
             return cfg.with_layers(self.layers) if self.layers else cfg
-        return super().model_config()
+        cfg = super().model_config()
+        return cfg if self.layer_types is None else cfg.replace(layer_types=self.layer_types)
 
 
 def request_prompts(scenario: Scenario, vocab: int) -> list[list[int]]:
@@ -375,23 +392,25 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
     tp = parallel.build(scenario.tp_size, 1)
     prompts = request_prompts(scenario, cfg.vocab_size)
 
-    def make(dcp_size: int):
+    def make(dcp_size: int, under_test: bool):
         common = dict(kv_capacity=scenario.kv_rows, max_requests=scenario.batch, par=tp, device=device,
                       page_size=scenario.pages_for(dcp_size), dtype=getattr(torch, scenario.dtype))
         if scenario.checkpoint is not None:
             model = load_pretrained(scenario.checkpoint, num_layers=scenario.layers, **common)
         else:
             model = MLAModel(cfg, seed=scenario.seed, **common)
-        model.regions = scenario.regions and dcp_size > 1
-        options = dict(scenario.options if dcp_size > 1 else scenario.baseline_options)
+        configured = under_test and (dcp_size > 1 or scenario.configured_at_dcp_size_one)
+        model.regions = scenario.regions and configured
+        options = dict(scenario.options if configured else scenario.baseline_options)
         return api.apply(model, dcp_size, interleave=scenario.interleave if dcp_size > 1 else 1, **options,
                          debug_checks=scenario.debug_checks, attention_strategy=scenario.attention_strategy,
-                         kernels=scenario.kernels if dcp_size > 1 else scenario.baseline_kernels,
-                         inner_compile=scenario.inner_compile if dcp_size > 1 else "eager")
+                         kernels=scenario.kernels if configured else scenario.baseline_kernels,
+                         inner_compile=scenario.inner_compile if configured else "eager")
 
     start = time.perf_counter()
-    base_driver = Driver(make(1), scenario, cfg.vocab_size)
-    drivers = [base_driver, Driver(make(scenario.dcp_size), scenario, cfg.vocab_size, leader=base_driver)]
+    base_driver = Driver(make(1, under_test=False), scenario, cfg.vocab_size)
+    under_test = make(scenario.dcp_size, under_test=True)
+    drivers = [base_driver, Driver(under_test, scenario, cfg.vocab_size, leader=base_driver)]
     for driver in drivers:
         driver.prefill(prompts)
     for step in range(scenario.steps):

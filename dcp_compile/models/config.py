@@ -135,12 +135,15 @@ PRESETS: dict[str, MLAModelConfig] = {
         layer_types=("mla", "linear", "mla", "mla"), linear_head_dim=8,
     ),
     # tiny-512 with DeepSeek-V3's and Kimi-K2's two kinds of MLA layer: a dense first layer, then
-    # MoE ones (first_k_dense_replace = 1); under compile regions, two kinds of region.
+    # MoE ones (first_k_dense_replace = 1); under compile regions, two kinds of region. Every token
+    # goes to all 4 experts: a top-2 choice is a step function of the router's logits, and in bf16
+    # the few ulps by which DCP's summation order moves them flip it now and then (a logit off by
+    # 0.47 in a sweep case, 0.07 with every expert), which is the router's rounding, not DCP's.
     "tiny-512-moe": MLAModelConfig(
         vocab_size=256, hidden_size=64, num_heads=8, q_lora_rank=48, kv_lora_rank=512,
         qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, intermediate_size=128,
         layer_types=("mla",) * 3,
-        moe=MoEConfig(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        moe=MoEConfig(n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1,
                       first_k_dense_replace=1),
     ),
     "deepseek-v3": MLAModelConfig(

@@ -328,3 +328,12 @@ def test_any_error_exits_2_with_one_line(error, line, capsys, monkeypatch):
     monkeypatch.setattr(demo, "compare", lambda scenario: (_ for _ in ()).throw(error))
     assert main(["demo"]) == 2
     assert capsys.readouterr().err == f"dcp-compile demo: error: {line}\n"
+
+
+def test_a_scenarios_layer_kinds_and_dcp_size_one_settings_are_checked_up_front():
+    assert Scenario(model="tiny-512", layer_types=["mla", "mla"]).model_config().layer_types == ("mla", "mla")
+    for bad in (dict(layer_types=()), dict(layer_types=("mla", "dense")), dict(layer_types=("mla",), layers=2)):
+        with pytest.raises(ValueError, match="layer_types must be a non-empty list of 'mla' and 'linear'"):
+            Scenario(**bad)
+    with pytest.raises(ValueError, match="configured_at_dcp_size_one is for dcp_size 1"):
+        Scenario(dcp_size=2, configured_at_dcp_size_one=True)
