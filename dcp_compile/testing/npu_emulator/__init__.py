@@ -132,9 +132,12 @@ def install(device_count: int = DEVICE_COUNT) -> None:
             raise RuntimeError("torch_npu is installed: the NPU emulator stands in for it only where it is absent")
         _load_extension()
         torch.ops.dcp_npu_emulator.set_device_count(device_count)
-        from dcp_compile.testing.npu_emulator import op_coverage
+        from dcp_compile.testing.npu_emulator import npu_aten_ops, op_coverage
 
-        torch.ops.dcp_npu_emulator.register_device_kernels(sorted(op_coverage.FALLBACKS) + list(op_coverage.OWN_KERNELS))
+        # The acl_op-only ops too: torch_npu's kernel replaces torch's composite (lstm_cell's), so a
+        # capture meets the op whole, and refuses it, rather than recording its parts.
+        torch.ops.dcp_npu_emulator.register_device_kernels(sorted(op_coverage.FALLBACKS) + list(op_coverage.OWN_KERNELS)
+                                                           + sorted(npu_aten_ops.ACL_OP_ONLY))
         torch.utils.rename_privateuse1_backend("npu")
         from dcp_compile.testing.npu_emulator import hccl, module
 

@@ -15,6 +15,10 @@
 - **Data-dependent output shapes are host traffic too**: an op whose NPU kernel synchronises the
   stream to learn its output's size (nonzero, masked_select, indexing by a bool mask, unique,
   repeat_interleave without output_size: op_coverage.SYNCS).
+- **Only aclnn kernels enter a graph**: an aten op torch_npu runs on the device through an acl_op
+  kernel only (op-plugin registers no `op_api` kernel for it on one of the supported torch_npu
+  versions: npu_aten_ops.ACL_OP_ONLY) is refused in a capture, as on hardware ("仅支持aclnn算子入图",
+  Ascend/pytorch docs/zh/developer_notes/npugraph.md:40); eager runs it on the device.
 - **A recorded FIA call must be captured with every KV length >= 1** (`actual_seq_lengths_kv`,
   v2 `actual_seq_kvlen`): FIA's tiling key depends on the length split, and vllm-ascend captures
   with lengths of 1 (its dummy run); a 0 at capture is a CaptureError.
@@ -53,7 +57,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dcp_compile.testing.npu_emulator import op_coverage, releases
+from dcp_compile.testing.npu_emulator import npu_aten_ops, op_coverage, releases
 
 aten = torch.ops.aten
 KERNEL_NAMESPACES = {"aten", "prims", "npu", "dcp_triton", "_c10d_functional", "c10d", "dcp_npu_emulator"}
@@ -149,6 +153,17 @@ def _check_host_traffic(func, args, kwargs) -> None:
         raise CaptureError(f"{func} runs on the host under torch_npu (no NPU kernel, or its kernel's CPU fallback for "
                            f"these arguments: npu_emulator/op_coverage.py), which an NPU graph capture cannot record; "
                            f"issued at {op_coverage.issuing_source()}")
+
+
+def _check_aclnn(func) -> None:
+    """Only aclnn (op_api) kernels enter an NPU graph; checked before a composite runs as its parts,
+    as torch_npu's own kernel replaces the composite (lstm_cell)."""
+    if not op_coverage.capturable(func):
+        raise CaptureError(f"{func} runs on the device under torch_npu through an acl_op kernel only (op-plugin "
+                           f"registers no op_api kernel for it on one of torch_npu "
+                           f"{', '.join(npu_aten_ops.VERSIONS)}: npu_emulator/npu_aten_ops.py ACL_OP_ONLY), and an NPU "
+                           f"graph captures aclnn kernels only: {npu_aten_ops.CAPTURE_RULE}. Eager runs it; issued at "
+                           f"{op_coverage.issuing_source()}")
 
 
 def _is_fia(func) -> bool:
@@ -261,6 +276,7 @@ class _Recorder(TorchDispatchMode):
         device_work = any(_on_device(a) or _names_npu_device(a) for a in flat)
         if not device_work:
             return func(*args, **kwargs)
+        _check_aclnn(func)
         if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
             # Reached here only where autograd is off (inside a custom op's kernel): a
             # composite such as `to` runs as the ops it is made of, each seen here.

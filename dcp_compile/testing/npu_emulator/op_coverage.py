@@ -10,6 +10,10 @@ graph capture, where only device (aclnn) work can be recorded.
 The kernels: npu_aten_ops.OPS (generated from op-plugin's yaml at a named commit), plus every op
 with a composite kernel (torch runs those as the ops they are made of, each judged in turn when
 it reaches the device). docs/ascend.md §16 lists the sources.
+
+An op on the device may still be one an NPU graph cannot capture: only aclnn (op-plugin `op_api`)
+kernels enter a graph (npu_aten_ops.CAPTURE_RULE), and npu_aten_ops.ACL_OP_ONLY lists the ops with an
+acl_op kernel only on some supported torch_npu (`capturable`). Eager runs them on the device.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dcp_compile.testing.npu_emulator.npu_aten_ops import OPS
+from dcp_compile.testing.npu_emulator.npu_aten_ops import CAPTURABLE, OPS
 
 ON_DEVICE, OFF_DEVICE, CONDITIONAL, SYNCS_STREAM = 0, 1, 2, 3
 _COMPOSITE_KEYS = ("CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional", "CompositeImplicitAutograd")
@@ -149,6 +153,21 @@ def call_verdict(func, args, kwargs) -> int:
     arguments = [kwargs[a.name] if a.name in kwargs else args[i] if i < len(args) else a.default_value
                  for i, a in enumerate(func._schema.arguments)]
     return decide(func._schema.name.split("::")[-1], func._overloadname, arguments)
+
+
+@functools.lru_cache(maxsize=None)
+def capturable(func) -> bool:
+    """Whether an NPU graph can capture `func`'s NPU kernel (an aten op's entry in npu_aten_ops, its
+    own or, for an out= overload, its functional form's, as `verdict` reads them). An op the table
+    does not list is not judged here: a composite runs as ops each judged where they reach the
+    device, an op without a kernel is off the device (`call_verdict`)."""
+    if func.namespace != "aten":
+        return True
+    name = func._schema.name.split("::")[-1]
+    for key in (table_name(name, func._overloadname), _functional_form(name, func._overloadname)):
+        if key in OPS:
+            return key in CAPTURABLE
+    return True
 
 
 def off_device(func, args, kwargs) -> bool:
