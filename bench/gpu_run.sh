@@ -16,8 +16,8 @@ nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 for part in $parts; do
   case $part in
-    # TESTS_K: a -k expression (spaces kept); TESTS_ARGS: more arguments, split on spaces.
-    tests) timeout "${TESTS_S:-240}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} ${TESTS_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -25 ;;
+    # TESTS_K: a -k expression (spaces kept); TESTS_ARGS: more arguments, split on spaces; TESTS_STOP= (empty) runs on past a failure (default -x).
+    tests) timeout "${TESTS_S:-240}" python3 -m pytest tests/gpu -q ${TESTS_STOP--x} -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} ${TESTS_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -25 ;;
     skinny) timeout "${SKINNY_S:-300}" python3 -m bench.skinny_matmul --out "$out/skinny_matmul.json" --table "$out/skinny_configs.json" ${SKINNY_ARGS:-} 2>&1 | tee "$out/skinny.log" | grep -v "^  SkinnyConfig" | tail -40
             export DCP_COMPILE_SKINNY_CONFIGS="$out/skinny_configs.json" ;;  # the later parts use the configs just tuned
     kernels) timeout "${KERNELS_S:-240}" python3 -m bench.kernels --out "$out/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$out/kernels.log" | tail -40 ;;
