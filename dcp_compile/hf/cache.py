@@ -22,7 +22,18 @@ and the view's rows past the length are never attended.
 
 What the caller (dcp_compile/hf/model.py) checks before each step, on the host: the step fits in
 `max_length`, the attention mask pads nothing and the position ids are the cache's positions.
-Beam search, cropping and batch reordering are refused: the pool's rows do not move.
+
+Cropping (`DCPCache.crop`, what transformers' assisted generation and prompt lookup call after
+each verify step to drop the rejected draft tokens) moves the length back: the host's count and
+every attention layer's counter. The dropped tokens' KV rows stay where they are, past the
+length, which no read sees, until the next step writes its tokens at those columns' locations
+(the same locations on every rank, each rank's own share of them). Nothing moves in the pool
+and the page table does not change, so the KV locations' checksum is the same; the length is
+host state that the DCP peers compare at every step (hf/agreement.py), as after `advance`. A
+hybrid model's linear-attention layers are transformers' own: they keep the states of the last
+draft's tokens while the cache records its past (`activate_past_recording`), and crop restores
+the state before the dropped tokens.
+Beam search and batch reordering are refused: the pool's rows do not move.
 """
 
 from __future__ import annotations
@@ -82,7 +93,8 @@ class DCPCacheLayer(CacheLayerMixin):
     """False: transformers would otherwise build the 4D mask on the host and, on a GPU, wrap the
     forward in its own torch.compile around dcp_compile's."""
     is_sliding = False
-    is_croppable = False
+    is_croppable = True
+    """crop() moves the length back; the dropped tokens' rows are overwritten by the next writes."""
 
     def __init__(self, pool: MLAKVPool, layer: int, req_to_token: torch.Tensor, pads: torch.Tensor):
         super().__init__()
@@ -139,7 +151,14 @@ class DCPCacheLayer(CacheLayerMixin):
         self.cumulative_length.zero_()
 
     def crop(self, tokens_to_remove: int) -> None:
-        _refuse("crop (assisted decoding)")
+        """Drop the last `-tokens_to_remove` columns (0 or a negative count, as transformers'
+        StaticLayer takes it): the length counter moves back, a device op with no read-back.
+        DCPCache.crop keeps the host's count with it and checks the count against it."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): a cache layer is cropped by a negative count of tokens to "
+                             "remove (DCPCache.crop also takes the length to keep)")
+        if tokens_to_remove:
+            self.cumulative_length.sub_(-tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         _refuse("reorder_cache (beam search)")
@@ -257,6 +276,47 @@ class DCPCache(Cache):
     def reset(self) -> None:
         super().reset()
         self._length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop tokens from the end of every row, as transformers' assisted generation does after
+        each verify step: a negative `tokens_to_remove` drops that many columns (0 drops none, and
+        trims a linear-attention layer's recorded states, as transformers' crop(0) does); a
+        positive one is the length to keep (transformers before 5.18; a cache no longer than that
+        is left as it is). Host-side and alike on every rank, with no collective: the next step's
+        agreement compares the cache's length (hf/agreement.py). The page table and each row's
+        padding stay; a crop to 0 columns also clears the padding (the next first step sets it)."""
+        length = self._length
+        if tokens_to_remove > 0:
+            tokens_to_remove = -max(length - tokens_to_remove, 0)
+        removed = -tokens_to_remove
+        if removed > length:
+            raise ValueError(f"crop({tokens_to_remove}): the cache holds {length} column(s), fewer than the "
+                             f"{removed} to remove")
+        kept = length - removed
+        if 0 < kept < max(self.pads, default=0):
+            raise ValueError(f"crop({tokens_to_remove}) keeps {kept} column(s), inside a row's left padding "
+                             f"({max(self.pads)} columns): keep at least the padding, or crop to 0")
+        if not all(getattr(layer, "record_past", True) for layer in self.layers):
+            raise ValueError("a linear-attention layer's state is cropped only while the cache records its past "
+                             "(cache.activate_past_recording(), which transformers' assisted generation calls)")
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
+        self._length = kept
+        if kept == 0:
+            self.pads = [0] * self.rows
+            self.pad_tensor.zero_()
+
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
+        """transformers' past recording, for a hybrid model's linear-attention layers (an attention
+        layer's past stays in the pool): each keeps the recurrent state after each of the last
+        `recurrent_states_to_keep` + 1 tokens of a step. transformers 5.25 keeps
+        `recurrent_states_to_keep` (the draft's length), one short where a step of more tokens
+        than that (a verify step: the last accepted token and the draft) has its whole draft
+        rejected: its crop then restored the state from before the step, and Kimi-Linear's
+        prompt lookup gave other tokens than its plain greedy decoding."""
+        if recurrent_states_to_keep:
+            recurrent_states_to_keep += 1
+        super().activate_past_recording(recurrent_states_to_keep=recurrent_states_to_keep, **kwargs)
 
     def host_view(self) -> "HostView":
         """The host-side view of this cache's page table that each step's host metadata reads."""

@@ -14,7 +14,8 @@ Before each replay the step's inputs are copied into the graph's static buffers,
 token ids, positions, the cache's page table (the columns past its width zeroed), its padding and
 each attention layer's length counter; after it, the cache's counters advance as the graph's did.
 Which steps replay: one token a row, a batch size in `batch_sizes`, a cache of at most
-`max_length` columns, and the same arguments (names and non-tensor values) as the step the graph
+`max_length` columns whose linear-attention layers (a hybrid's) do not record their past for
+assisted generation, and the same arguments (names and non-tensor values) as the step the graph
 was captured from; any other step runs the compiled step as before. A hybrid model's
 linear-attention layers (transformers' own, whose state the prefill allocates) are captured over
 a static copy of the first cache's state; the cache a graph replays points its layers at those
@@ -74,7 +75,7 @@ class DecodeGraphs:
         input_ids, cache = call.get("input_ids"), call.get(cache_kwarg)
         if (input_ids is None or call.get("inputs_embeds") is not None or not isinstance(cache, DCPCache)
                 or input_ids.shape[1] != 1 or input_ids.shape[0] not in self.batch_sizes
-                or cache.max_length > self.max_length):
+                or cache.max_length > self.max_length or _records_past(cache)):
             return None
         others = []
         for name, value in sorted(call.items()):
@@ -162,6 +163,13 @@ _LINEAR_STATES = ("conv_states", "recurrent_states")
 
 def _linear_layers(cache: DCPCache) -> list:
     return [layer for layer in cache.layers if not isinstance(layer, DCPCacheLayer)]
+
+
+def _records_past(cache: DCPCache) -> bool:
+    """Whether a linear-attention layer of `cache` records its past (assisted generation): its
+    steps grow its conv state and keep its recurrent states for a crop, which a graph captured
+    over fixed state tensors does not do."""
+    return any(getattr(layer, "record_past", False) for layer in _linear_layers(cache))
 
 
 def _clone(value):
