@@ -36,6 +36,7 @@ collectives and get an error, never a collective mismatch.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import zlib
 
 import torch
@@ -51,7 +52,8 @@ swapped, always changes it (p is prime), and no product overflows int64."""
 STEP_FIELDS = ("batch", "tokens", "token ids given", "integer token ids", "cache rows", "cache width",
                "cached positions", "cache locations", "token checksum")
 GENERATE_FIELDS = ("batch", "prompt tokens", "generated length", "num_return_sequences", "num_beams", "sampling",
-                   "guidance", "use_cache", "prompt checksum")
+                   "guidance", "use_cache", "assisted", "prompt checksum")
+"""assisted: prompt_lookup_num_tokens, -1 with an assistant model, 0 without assistance."""
 ALLOCATION_FIELDS = ("locations", "free locations")
 RESULT_FIELDS = ("rows", "tokens", "token checksum")
 STEP, GENERATE, DECODE_STEP, ALLOCATION, RESULT, FAILURE = range(6)
@@ -63,6 +65,8 @@ FIELDS = {STEP: STEP_FIELDS, GENERATE: GENERATE_FIELDS, ALLOCATION: ALLOCATION_F
 HEADER = 2
 """[kind, refusal]: refusal is 0, or a nonzero code of the error this rank refused its input with."""
 VECTOR = HEADER + max(len(fields) for fields in FIELDS.values())
+_SHARING_RANKS: contextvars.ContextVar[frozenset] = contextvars.ContextVar("dcp_sharing_ranks", default=frozenset())
+"""The global ranks whose random generators are the first one's, inside shared_generators()."""
 RULE = ("Every rank of a DCP group must run the same step with the same batch: the same input shapes, cache, cache "
         "position and token ids (the same generate() call)")
 
@@ -249,8 +253,17 @@ class GroupAgreement:
     @contextlib.contextmanager
     def shared_generators(self, device: torch.device):
         """Every rank of the group samples with the first rank's random generators (the CPU's,
-        and `device`'s) inside the block; afterwards the other ranks' own are restored."""
+        and `device`'s) inside the block; afterwards the other ranks' own are restored. Inside
+        such a block of a group holding these ranks (a DCP assistant model's generate() within its
+        target's) the generators are shared already, and the block leaves them as they are: a
+        restore there would put back the state from before the assistant drew its tokens on every
+        rank but the first."""
         if self.dcp_size == 1:
+            yield
+            return
+        group = self._group()
+        ranks = frozenset(dist.get_process_group_ranks(group))
+        if ranks <= _SHARING_RANKS.get():
             yield
             return
         generators = [(torch.get_rng_state, torch.set_rng_state)]
@@ -258,14 +271,15 @@ class GroupAgreement:
             module = torch.get_device_module(device)
             generators.append((lambda: module.get_rng_state(device), lambda state: module.set_rng_state(state, device)))
         own = [get() for get, _ in generators]
-        group = self._group()
         for (_, set_state), state in zip(generators, own):
             shared = state.to(self.device, copy=True)
             dist.broadcast(shared, group=group, group_src=0)
             set_state(shared.cpu())
+        sharing = _SHARING_RANKS.set(ranks)
         try:
             yield
         finally:
+            _SHARING_RANKS.reset(sharing)
             if self.dcp_rank != 0:
                 for (_, set_state), state in zip(generators, own):
                     set_state(state)

@@ -28,8 +28,11 @@ step past the cache's `max_length`, hidden states and attention weights as outpu
 rows, tokens and cache width are symbolic: one graph serves every prompt length. Under DCP the
 ranks' steps must agree (shapes, cache position, token ids: dcp_compile/hf/agreement.py), and a
 sampling generate() draws every rank's token with the group's first rank's generator. generate()
-serves greedy and sampled decoding, num_return_sequences and classifier-free guidance
-(guidance_scale), and refuses beam search and use_cache=False by name; its decode steps replay
+serves greedy and sampled decoding, num_return_sequences, classifier-free guidance
+(guidance_scale) and transformers' assisted generation of one row (assistant_model, a plain
+transformers model or one applied with dcp_compile; prompt_lookup_num_tokens: each verify step's
+rejected draft tokens are cropped off the cache, hf/cache.py), and refuses beam search and
+use_cache=False by name; its decode steps replay
 device graphs after capture_decode_graphs (dcp_compile/hf/graphs.py). Caches of one model never share KV locations
 (dcp_compile/hf/locations.py). The model passed to apply is the one that runs: its forward now
 is the DCP step.
@@ -236,6 +239,8 @@ class DCPTransformersModel(nn.Module):
         cache = kwargs.pop(self.cache_kwarg, None)
         if cache is None:
             cache = kwargs.pop("past_key_values", None)  # the deprecated name
+        if isinstance(kwargs.get("assistant_model"), DCPTransformersModel):
+            kwargs["assistant_model"] = kwargs["assistant_model"].model  # transformers reads a PreTrainedModel's API
         setting = self._generation_settings(kwargs)
         input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         refusal, length, sampling = None, 0, False
@@ -247,8 +252,15 @@ class DCPTransformersModel(nn.Module):
             self._agreement.check_generate(input_ids, length, fields, refusal)
         samples = setting("num_return_sequences") or 1
         if cache is None:
+            cache_length = length
+            if setting("is_assistant"):
+                # transformers' assisted generation drafts with this model, a few tokens a call, and
+                # hands the cache back at the next call: it holds the target's whole sequence (the
+                # target's length where the target is a DCP model too, else every free location).
+                target_length = _CACHE_LENGTH_IN_GENERATE.get()
+                cache_length = max(length, target_length) if target_length is not None else None
             with self._peer_failures():
-                cache = self.new_cache(input_ids.shape[0] * samples, length)
+                cache = self.new_cache(input_ids.shape[0] * samples, cache_length)
         # The unconditional pass of guidance: the negative prompt (else the prompt's last token)
         # and every new token; at least this call's width, so that its steps reuse the decode graph.
         unconditional = kwargs.get("negative_prompt_ids")
@@ -297,9 +309,16 @@ class DCPTransformersModel(nn.Module):
         for name in _UNSERVED_OUTPUTS:
             if setting(name):
                 raise ValueError(_unserved_output(name))
+        lookup, assistant = setting("prompt_lookup_num_tokens"), kwargs.get("assistant_model")
+        if (lookup or assistant is not None) and input_ids.shape[0] * samples > 1:
+            raise ValueError(f"assisted generation ({'prompt_lookup_num_tokens' if lookup else 'assistant_model'}) of "
+                             f"{input_ids.shape[0]} row(s) x num_return_sequences={samples}: it serves one row, as "
+                             "transformers' assisted decoding takes batch size 1; generate the rows one at a time, or "
+                             "without assistance")
         return length, sampling, {"num_return_sequences": samples, "num_beams": beams, "sampling": int(sampling),
                                   "guidance": int(setting("guidance_scale") not in (None, 1)),
-                                  "use_cache": int(use_cache)}
+                                  "use_cache": int(use_cache),
+                                  "assisted": lookup or (-1 if assistant is not None else 0)}
 
     def _generation_settings(self, kwargs):
         """`setting(name)`: a generation setting of this call, from its kwargs, else its
