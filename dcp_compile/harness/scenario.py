@@ -440,6 +440,7 @@ def run_on_rank(rank: int, world_size: int, scenario: Scenario) -> dict:
         "host_syncs_per_step": max(dcp.replay_host_syncs) if dcp.replay_host_syncs else None,
         "h2d_bytes_per_step": max(dcp.replay_h2d_bytes) if dcp.replay_h2d_bytes else None,
         "ops_off_device": None if counters is None else sorted(counters["ops_off_device"]),
+        "collective_works_unwaited": torch._C._distributed_c10d._get_work_registry_size(),
         "backend_options": state.lowering.options_report(),
         "device_graphs": sum(len(runner.captured) for runner in (dcp.runners or {}).values()),
         "graph_keys": len(dcp.graph_keys),
@@ -567,6 +568,7 @@ def summarize(scenario: Scenario, ranks: list[dict]) -> dict:
         "ops_off_device": sorted({op for r in ranks for op in (r["ops_off_device"] or ())})
         if head["ops_off_device"] is not None else None,
         "h2d_bytes_per_step": head["h2d_bytes_per_step"],
+        "collective_works_unwaited": max(r["collective_works_unwaited"] for r in ranks),
         "device_graphs_captured": head["device_graphs"],
         "graph_keys": head["graph_keys"],
         "strategy_counts": head["strategy_counts"],

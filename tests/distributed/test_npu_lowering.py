@@ -112,3 +112,6 @@ def test_npu_graph_replays_match_dcp_size_one(case, npu_scenario_results):
     # runs on the device (the emulator's op coverage and sync count: docs/ascend.md §16, §17).
     assert result["host_syncs_per_step"] == 0
     assert result["ops_off_device"] == []
+    # Every functional collective's work is waited, replays' too (a replay that ran the collective
+    # again without waiting on its new output kept each work and its tensors: 2 a replay).
+    assert result["collective_works_unwaited"] == 0

@@ -231,6 +231,17 @@ def _placeholders(func, args, kwargs):
     return pytree.tree_map(materialise, result)
 
 
+def _wait_functional_collective(func, result) -> None:
+    """A functional collective run again at a replay registers its work under the new output,
+    which the recorded wait_tensor (of the captured output) never finds: wait on it here, or the
+    process's work registry keeps every replay's work and its tensors (on hardware a replay
+    launches the recorded HCCL task; nothing is registered)."""
+    if getattr(func, "namespace", None) == "_c10d_functional" and func is not torch.ops._c10d_functional.wait_tensor.default:
+        for value in pytree.tree_leaves(result):
+            if isinstance(value, torch.Tensor):
+                torch.ops._c10d_functional.wait_tensor(value)
+
+
 @dataclass
 class _Recorded:
     func: object
@@ -353,6 +364,7 @@ class NPUGraph:
         try:
             for record in self._records:
                 result = record.func(*record.args, **record.kwargs)
+                _wait_functional_collective(record.func, result)
                 for placeholder, value in zip(pytree.tree_leaves(record.outputs), pytree.tree_leaves(result)):
                     if isinstance(placeholder, torch.Tensor) and placeholder is not value:
                         placeholder.copy_(value)
