@@ -20,7 +20,7 @@ from dcp_compile import ops
 from dcp_compile.models import rope
 from dcp_compile.models.config import MLAModelConfig
 from dcp_compile.models.functional import all_reduce, swiglu
-from dcp_compile.models.linear_attention import linear_attention
+from dcp_compile.models.linear_attention import StepRecord, commit_linear_attention, linear_attention
 from dcp_compile.models.moe import MoE
 from dcp_compile.runtime.kv_pool import MLAKVPool, check_cache_dtype
 from dcp_compile.runtime.parallel import ParallelState
@@ -153,11 +153,19 @@ class LinearAttentionLayer(nn.Module):
         self.register_buffer(
             "state", torch.zeros(max_requests + 1, self.heads, self.head_dim, self.head_dim, device=weights.device), persistent=False
         )
+        record = StepRecord(max_requests + 1, self.heads, self.head_dim, weights.device)
+        for name in ("start", "carried", "keys", "values"):
+            self.register_buffer(f"step_{name}", getattr(record, name), persistent=False)
 
     def forward(self, x, q_seq_ids, state_slots, positions):
         q, k, v = (F.linear(x, w).view(x.shape[0], self.heads, self.head_dim) for w in self.qkv)
-        o = linear_attention(q, F.normalize(k, dim=-1), v, self.state, q_seq_ids, state_slots, positions, 0.9)
+        o = linear_attention(q, F.normalize(k, dim=-1), v, self.state, q_seq_ids, state_slots, positions, 0.9,
+                             self.step_start, self.step_carried, self.step_keys, self.step_values)
         return all_reduce(F.linear(o.reshape(x.shape[0], -1), self.o_proj), self.tp_group_name)
+
+    def commit(self, state_slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        commit_linear_attention(self.state, self.step_start, self.step_carried, self.step_keys, self.step_values,
+                                state_slots, accepted)
 
 
 class MLP(nn.Module):
@@ -249,6 +257,24 @@ class MLAModel(nn.Module):
     def attention_metadata(input_ids, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots, logits_index) -> dict:
         """The canonical attention metadata of a call, for dcp_compile's per-batch cost model."""
         return dict(req_to_token=req_to_token, seq_lens=seq_lens, q_seq_ids=q_seq_ids, q_positions=positions)
+
+    @torch.no_grad()
+    def commit_verify(self, state_slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a verify step, keep only its accepted tokens in the recurrent state: each row b's
+        slot `state_slots[b]` (the verify batch's `state_slots`; padded rows name slot 0) is set to
+        the state after the first `accepted[b]` of that row's verify tokens, 0 <= accepted[b] <= k
+        (0: the state from before the step). accepted is an int64 tensor on the model's device:
+        no host sync. It reads what the rows' last step recorded, so it follows that verify step
+        before the rows' next step. The latent KV needs no commit: RequestTable.truncate drops the
+        rejected tokens' locations, and their rows are written again."""
+        if state_slots.shape != accepted.shape or state_slots.dim() != 1:
+            raise ValueError(f"state_slots and accepted must be two vectors of one length (a count per row of the "
+                             f"verify batch), got shapes {tuple(state_slots.shape)} and {tuple(accepted.shape)}")
+        if accepted.dtype != torch.int64:
+            raise ValueError(f"accepted must be an int64 tensor of accepted token counts, got {accepted.dtype}")
+        for layer in self.layers:
+            if layer.kind == "linear":
+                layer.attn.commit(state_slots, accepted)
 
     def forward(self, input_ids, positions, q_seq_ids, out_loc, req_to_token, seq_lens, state_slots, logits_index):
         h = F.embedding(input_ids, self.embed)
