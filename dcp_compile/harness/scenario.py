@@ -10,7 +10,8 @@ Kimi-K2 checkpoint) instead of random presets, and `prompt_ids` can fix every re
 
 Verify uses a scripted draft model: the drafts and how many of them are accepted are drawn from
 the seed, identically for both models, so accept/reject and the truncation that follows are
-exercised with every length from 0 to k-1 accepted drafts.
+exercised with every length from 0 to k-1 accepted drafts; each model then commits the kept
+tokens to its recurrent state (MLAModel.commit_verify).
 """
 
 from __future__ import annotations
@@ -370,6 +371,8 @@ class Driver:
         accepted = torch.randint(0, k, (s.batch,), generator=gen).tolist()
         requests = list(range(s.batch))
         out = self._step(requests, [[seq[-1]] + d for seq, d in zip(self.fed, drafts)], all_logits=True)
+        kept = torch.tensor(accepted, dtype=torch.int64) + 1  # the last token and the accepted drafts
+        self.model.model.commit_verify(self.table.state_slots(requests).to(out.device), kept.to(out.device))
         for b in requests:
             m = accepted[b]
             kept_len = int(self.table.seq_lens[b]) - k + 1 + m

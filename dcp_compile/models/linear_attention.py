@@ -46,10 +46,11 @@ def linear_attention(
     tokens = q.shape[0]
     slots = state_slots[q_seq_ids]
     carried = (positions != 0).to(state.dtype) * decay  # a request's first token drops what its slot held
-    # Each token's column in its row's record: its index among the row's tokens (rows are contiguous).
-    index = torch.arange(tokens, device=q.device)
-    first = torch.full_like(state_slots, tokens).scatter_reduce(0, q_seq_ids, index, "amin")
-    columns = (index - first[q_seq_ids]).clamp(max=step_keys.shape[1] - 1)
+    # Each token's column in its row's record: how many of the row's tokens come before it (a
+    # running count, not a segment minimum: op-plugin runs an int64 scatter_reduce on the host).
+    in_row = q_seq_ids[:, None] == torch.arange(state_slots.shape[0], device=q.device)
+    before = torch.cumsum(in_row.to(torch.int64), 0).gather(1, q_seq_ids[:, None])[:, 0] - 1
+    columns = before.clamp(max=step_keys.shape[1] - 1)
     step_start.index_copy_(0, state_slots, state.index_select(0, state_slots))
     step_carried.index_put_((slots, columns), carried.to(step_carried.dtype))
     step_keys.index_put_((slots, columns), k.float())

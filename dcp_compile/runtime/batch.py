@@ -275,6 +275,12 @@ class RequestTable:
         self.seq_lens[target] = prefix_len
         self.local_seq_lens[target] = self._count_local(self.req_to_token[target, :prefix_len])
 
+    @staticmethod
+    def state_slots(requests: list[int]) -> torch.Tensor:
+        """Each request's recurrent-state slot, as its batch rows name it (slot 0 takes padded
+        rows): what MLAModel.commit_verify takes after a verify step."""
+        return torch.tensor(requests, dtype=torch.int64) + 1
+
     def extend_batch(self, requests: list[int], tokens: list[list[int]], pad_rows: int = 0,
                      all_logits: bool = False, bucket: bool = False) -> ForwardBatch:
         """A batch that appends tokens[i] to requests[i] (prefill, extend, decode or verify).
@@ -306,7 +312,7 @@ class RequestTable:
         req_to_token[: len(requests)] = self.req_to_token[requests]
         seq_lens[: len(requests)] = self.seq_lens[requests]
         state_slots = torch.zeros(rows, dtype=torch.int64)
-        state_slots[: len(requests)] = torch.tensor(requests) + 1
+        state_slots[: len(requests)] = self.state_slots(requests)
         padded = sum(pad_tokens)
         for row, count in enumerate(pad_tokens, start=len(requests)):
             first = len(q_seq_ids)
