@@ -15,8 +15,8 @@ from tests.runtime.test_verify_commit import _model, verify_then_decode
 
 def rank_run(rank: int, world: int) -> dict:
     tp = parallel.build(world, 1)
-    make = lambda: _model(tp)  # noqa: E731
-    return {"worst": verify_then_decode(make, world), "uncommitted": verify_then_decode(make, world, commit=False)}
+    committed, uncommitted = verify_then_decode(lambda: _model(tp), world)
+    return {"worst": committed, "uncommitted": uncommitted}
 
 
 @pytest.fixture(scope="module")

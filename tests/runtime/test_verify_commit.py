@@ -3,12 +3,13 @@
 The tiny preset's linear-attention layer runs a verify step's k drafts through its recurrent
 state. After the step, MLAModel.commit_verify(state_slots, accepted) keeps the state after each
 row's accepted drafts and RequestTable.truncate keeps their KV; the decode steps that follow equal
-those of a model fed the accepted tokens directly. Rows accept 2, 0, 4 and 1 of k = 4 drafts over
-prompts of mixed lengths, with a padded row (slot 0), in fp32 to 1e-5. Without the commit the
-rejected drafts stay in the state and the decoded logits differ (the control)."""
+those of requests fed the accepted tokens directly. Rows accept 2, 0, 4 and 1 of k = 4 drafts over
+prompts of mixed lengths, with a padded row (slot 0), in fp32 to 1e-5. Requests that verify
+without the commit keep the rejected drafts in their state, and their logits differ (the control)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.library import opcheck
 
@@ -26,46 +27,46 @@ DECODE_STEPS = 6
 
 
 def _model(par: ParallelState | None = None) -> MLAModel:
-    return MLAModel(preset("tiny"), kv_capacity=256, max_requests=len(PROMPTS), par=par, seed=3)
+    return MLAModel(preset("tiny"), kv_capacity=256, max_requests=3 * len(PROMPTS), par=par, seed=3)
 
 
-def _table() -> RequestTable:
-    return RequestTable(len(PROMPTS), 64, 256)
+def verify_then_decode(make_model, dcp_size: int) -> tuple[float, float]:
+    """The largest logits difference over DECODE_STEPS decode steps from requests fed the kept
+    drafts directly: of requests that verified DRAFTS, kept ACCEPTED of them and committed that,
+    and of requests that did the same without the commit. The three groups of len(PROMPTS)
+    requests share one model and one batch per step (one compile per step shape)."""
+    n = len(PROMPTS)
+    committed, direct, uncommitted = list(range(n)), list(range(n, 2 * n)), list(range(2 * n, 3 * n))
+    everyone = committed + direct + uncommitted
+    model = dcp_compile.apply(make_model(), dcp_size)
+    table = RequestTable(3 * n, 64, 256)
+    model(*table.extend_batch(everyone, PROMPTS * 3, pad_rows=1).args())
 
+    verifying = committed + uncommitted
+    verify = table.extend_batch(verifying, DRAFTS * 2, pad_rows=1, all_logits=True)
+    model(*verify.args())
+    for request in verifying:
+        table.truncate(request, int(table.seq_lens[request]) - len(DRAFTS[request % n]) + ACCEPTED[request % n])
+    padded_row = len(verifying)
+    model.model.commit_verify(torch.cat([verify.state_slots[:n], verify.state_slots[padded_row:]]),
+                              torch.tensor(ACCEPTED + [0]))
+    kept = [request for request in direct if ACCEPTED[request % n]]
+    model(*table.extend_batch(kept, [DRAFTS[request % n][:ACCEPTED[request % n]] for request in kept],
+                              pad_rows=1).args())
 
-def verify_then_decode(make_model, dcp_size: int, commit: bool = True) -> float:
-    """The largest logits difference over DECODE_STEPS decode steps between a model that verified
-    DRAFTS and kept ACCEPTED of them, and one fed the accepted tokens directly."""
-    rows = list(range(len(PROMPTS)))
-    speculative, direct = dcp_compile.apply(make_model(), dcp_size), dcp_compile.apply(make_model(), dcp_size)
-    spec_table, direct_table = _table(), _table()
-    for model, table in ((speculative, spec_table), (direct, direct_table)):
-        model(*table.extend_batch(rows, PROMPTS, pad_rows=1).args())
-
-    verify = spec_table.extend_batch(rows, DRAFTS, pad_rows=1, all_logits=True)
-    speculative(*verify.args())
-    for row, count in enumerate(ACCEPTED):
-        spec_table.truncate(row, int(spec_table.seq_lens[row]) - len(DRAFTS[row]) + count)
-    if commit:
-        speculative.model.commit_verify(verify.state_slots, torch.tensor(ACCEPTED + [0]))
-    kept = [row for row in rows if ACCEPTED[row]]
-    direct(*direct_table.extend_batch(kept, [DRAFTS[row][:ACCEPTED[row]] for row in kept], pad_rows=1).args())
-
-    worst = 0.0
+    worst = [0.0, 0.0]
     for step in range(DECODE_STEPS):
-        tokens = [[(7 * step + row) % 50 + 1] for row in rows]
-        logits = [model(*table.extend_batch(rows, tokens, pad_rows=1).args())[: len(rows)]
-                  for model, table in ((speculative, spec_table), (direct, direct_table))]
-        worst = max(worst, (logits[0] - logits[1]).abs().max().item())
-    return worst
+        tokens = [[(7 * step + request % n) % 50 + 1] for request in everyone]
+        logits = model(*table.extend_batch(everyone, tokens, pad_rows=1).args())
+        for group, rows in enumerate((committed, uncommitted)):
+            worst[group] = max(worst[group], (logits[rows] - logits[direct]).abs().max().item())
+    return worst[0], worst[1]
 
 
 def test_verify_commits_only_the_accepted_drafts_at_dcp_size_one():
-    assert verify_then_decode(_model, 1) < 1e-5
-
-
-def test_without_the_commit_the_rejected_drafts_stay_in_the_state():
-    assert verify_then_decode(_model, 1, commit=False) > 1e-2
+    committed, uncommitted = verify_then_decode(_model, 1)
+    assert committed < 1e-5
+    assert uncommitted > 1e-2  # the rejected drafts left in the state: the test sees them
 
 
 def test_the_commit_replays_the_steps_own_arithmetic():
@@ -93,3 +94,11 @@ def test_the_commit_replays_the_steps_own_arithmetic():
     opcheck(commit_linear_attention, (state.clone(), *vars(record).values(), slots, torch.tensor([3, 0])))
     opcheck(linear_attention, (q, key, value, state.clone(), q_seq_ids, slots, positions, 0.9,
                                *(t.clone() for t in vars(record).values())))
+
+
+def test_commit_verify_refuses_counts_that_are_not_one_int64_count_a_row():
+    model = _model()
+    with pytest.raises(ValueError, match="two vectors of one length"):
+        model.commit_verify(torch.tensor([1, 2]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="int64"):
+        model.commit_verify(torch.tensor([1]), torch.tensor([1], dtype=torch.int32))
