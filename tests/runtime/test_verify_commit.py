@@ -63,6 +63,38 @@ def verify_then_decode(make_model, dcp_size: int) -> tuple[float, float]:
     return worst[0], worst[1]
 
 
+def replayed_verify_then_decode(model, table: RequestTable, runner, device) -> tuple[float, float, float]:
+    """verify_then_decode's flow with the verify and decode steps replayed by `runner` (a
+    GraphRunner over `model`, whose table is `table`, padding to its bucket) and the prefill and
+    the direct requests' chunk run eagerly on `device`; also the decoded logits' scale."""
+    n = len(PROMPTS)
+    committed, direct, uncommitted = list(range(n)), list(range(n, 2 * n)), list(range(2 * n, 3 * n))
+    everyone = committed + direct + uncommitted
+
+    def eager(requests, tokens):
+        batch = table.extend_batch(requests, tokens, pad_rows=1)
+        model(*batch.to(device).args(), host_metadata=batch.host)
+
+    eager(everyone, PROMPTS * 3)
+    verifying = committed + uncommitted
+    verify = table.extend_batch(verifying, DRAFTS * 2, all_logits=True)
+    runner(verify, tokens_per_row=len(DRAFTS[0]))
+    for request in verifying:
+        table.truncate(request, int(table.seq_lens[request]) - len(DRAFTS[request % n]) + ACCEPTED[request % n])
+    model.model.commit_verify(verify.state_slots[:n].to(device), torch.tensor(ACCEPTED, device=device))
+    kept = [request for request in direct if ACCEPTED[request % n]]
+    eager(kept, [DRAFTS[request % n][:ACCEPTED[request % n]] for request in kept])
+
+    worst, scale = [0.0, 0.0], 0.0
+    for step in range(DECODE_STEPS):
+        tokens = [[(7 * step + request % n) % 50 + 1] for request in everyone]
+        logits = runner(table.extend_batch(everyone, tokens)).float().cpu()
+        scale = max(scale, logits[direct].abs().max().item())
+        for group, rows in enumerate((committed, uncommitted)):
+            worst[group] = max(worst[group], (logits[rows] - logits[direct]).abs().max().item())
+    return worst[0], worst[1], scale
+
+
 def test_verify_commits_only_the_accepted_drafts_at_dcp_size_one():
     committed, uncommitted = verify_then_decode(_model, 1)
     assert committed < 1e-5
