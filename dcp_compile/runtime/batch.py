@@ -247,7 +247,9 @@ class RequestTable:
         return locs
 
     def truncate(self, request: int, length: int) -> None:
-        """Keep the first `length` tokens (e.g. the accepted drafts); release the rest."""
+        """Keep the first `length` tokens (e.g. the accepted drafts); release the rest. A hybrid
+        model's recurrent state is not here: after a verify step, MLAModel.commit_verify keeps the
+        accepted tokens' state."""
         self._check_request(request)
         current = int(self.seq_lens[request])
         if isinstance(length, bool) or not isinstance(length, numbers.Integral):
