@@ -35,7 +35,7 @@ def test_a_committed_result_reads_into_the_schema_with_every_figure(path):
     assert result["schema"] == results.SCHEMA and set(result) == {
         "schema", "benchmark", "command", "date", "machine", "versions", "run", "rows"}
     assert result["benchmark"] in tables.TABLES or result["benchmark"] in {
-        "attention_sweep", "batch_guard", "compile_regions", "decode_gemms", "hf_compile_regions", "load_test", "location_guard", "npu_replay_h2d", "npu_verify_cost",
+        "attention_sweep", "batch_guard", "compile_regions", "decode_gemms", "hf_compile_regions", "load_test", "location_guard", "npu_replay_h2d", "npu_verify_cost", "rebuild_memory",
         "skinny_matmul", "verify_window"}
     assert all(isinstance(row["part"], str) for row in result["rows"])
     missing = _leaves(raw) - _leaves(result)
